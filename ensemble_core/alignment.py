@@ -1,0 +1,191 @@
+"""Cross-tokenizer alignment: token boundaries as character offsets.
+
+Members with different tokenizers share the response as *text*. This module answers,
+for each member, where its tokens begin and end in that text, whether a character offset
+is a token boundary for every member (SAFE's stability check), and how to extend a
+member's tokenization when text is appended without re-encoding the whole response.
+
+Offsets come from the fast tokenizers' ``offset_mapping``. A byte-level BPE tokenizer
+splits multi-byte characters over several tokens that all carry the same character span
+(SmolLM2: "東" is three tokens with offsets (k, k+1)); the boundary between such tokens
+lies *inside* a character and is never a valid boundary.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: One decoding convention everywhere: text round-trips and no special tokens leak.
+DECODE_KWARGS: dict[str, bool] = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+#: Tokens re-encoded behind the committed boundary when text is appended (published SAFE: 5).
+DEFAULT_MARGIN = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    """Decode with the project-wide flags (see :data:`DECODE_KWARGS`)."""
+    return tokenizer.decode(list(ids), **DECODE_KWARGS)
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A text and one member's tokenization of it, with character spans per token.
+
+    ``valid[i]`` says whether the offset ``ends[i]`` (just after token ``i``) is a real
+    boundary: False when token ``i`` ends inside a character that the next token
+    finishes.
+    """
+
+    text: str
+    ids: tuple[int, ...]
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    valid: tuple[bool, ...]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def boundaries(self) -> set[int]:
+        """Every character offset that is a token boundary (0 included)."""
+        return {0} | {e for e, ok in zip(self.ends, self.valid) if ok}
+
+    def is_boundary(self, offset: int) -> bool:
+        """Whether ``offset`` is a token boundary (binary search: O(log n))."""
+        if offset == 0:
+            return True
+        i = bisect.bisect_right(self.ends, offset) - 1
+        return i >= 0 and self.ends[i] == offset and self.valid[i]
+
+    def tokens_before(self, offset: int) -> int:
+        """Number of tokens up to the last valid boundary at or before ``offset``."""
+        n = bisect.bisect_right(self.ends, offset)
+        while n > 0 and not self.valid[n - 1]:
+            n -= 1
+        return n
+
+
+def _spans_from_decoding(tokenizer: Any, ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Character spans by cumulative decoding, for tokenizers without offset mapping."""
+    spans, prev = [], 0
+    for i in range(len(ids)):
+        text = decode(tokenizer, ids[: i + 1])
+        end = len(text.rstrip(REPLACEMENT_CHAR)) if text.endswith(REPLACEMENT_CHAR) else len(text)
+        spans.append((min(prev, end), end))
+        prev = end
+    return spans
+
+
+def tokenize(tokenizer: Any, text: str, offset: int = 0) -> Tokenized:
+    """Tokenize ``text`` (no special tokens) with character spans shifted by ``offset``."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        spans = [tuple(s) for s in enc["offset_mapping"]]
+    else:
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        spans = _spans_from_decoding(tokenizer, ids)
+    starts = [s + offset for s, _ in spans]
+    ends = [e + offset for _, e in spans]
+    valid = [ends[i] <= starts[i + 1] for i in range(len(ids) - 1)]
+    if ids:
+        valid.append(True)
+    return Tokenized(text, tuple(ids), tuple(starts), tuple(ends), tuple(valid))
+
+
+def is_common_boundary(offset: int, tokenizations: Iterable[Tokenized]) -> bool:
+    """True when ``offset`` is a token boundary in every given tokenization.
+
+    This is SAFE's stability (OOV-like) check: a verifier's next-token distribution is
+    only meaningful right after one of its own token boundaries.
+    """
+    return all(t.is_boundary(offset) for t in tokenizations)
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    return len(os.path.commonprefix([a, b]))
+
+
+def encode_continuation(
+    tokenizer: Any, text: str, previous: Tokenized, margin: int = DEFAULT_MARGIN
+) -> tuple[int, Tokenized]:
+    """Tokenize ``text`` reusing ``previous`` (a tokenization of an earlier version).
+
+    The last ``margin`` tokens behind the point where the texts diverge are re-encoded
+    together with the new text, because appending text can change how the last few
+    tokens merge (" Inc" + "orrect"). Work is proportional to the margin plus the new
+    text, not to the whole response.
+
+    Returns ``(keep, tokenized)``: the new tokenization of ``text`` and how many of its
+    leading token ids equal ``previous``'s (a KV cache may be kept up to ``keep``).
+    """
+    common = _common_prefix_len(previous.text, text)
+    split = min(previous.tokens_before(common), max(len(previous) - margin, 0))
+    while split > 0 and not previous.valid[split - 1]:
+        split -= 1
+    start = previous.ends[split - 1] if split else 0
+    tail = tokenize(tokenizer, text[start:], offset=start)
+    merged = Tokenized(
+        text,
+        previous.ids[:split] + tail.ids,
+        previous.starts[:split] + tail.starts,
+        previous.ends[:split] + tail.ends,
+        previous.valid[:split] + tail.valid,
+    )
+    keep = split
+    for a, b in zip(tail.ids, previous.ids[split:]):
+        if a != b:
+            break
+        keep += 1
+    return keep, merged
+
+
+#: Tokens of left context used when decoding new ids, so that decoders which strip a
+#: leading space or merge bytes across tokens see what precedes the new ids.
+DECODE_CONTEXT = 4
+
+
+def decode_suffix(tokenizer: Any, context_ids: Sequence[int], new_ids: Sequence[int]) -> str:
+    """Text that ``new_ids`` add after ``context_ids`` (only the last few context ids are decoded).
+
+    The result may end in U+FFFD when the last id stops inside a multi-byte character.
+    """
+    ctx = list(context_ids[-DECODE_CONTEXT:]) if DECODE_CONTEXT else []
+    head = decode(tokenizer, ctx)
+    full = decode(tokenizer, ctx + list(new_ids))
+    return full[len(head):] if full.startswith(head) else full[len(head.rstrip(REPLACEMENT_CHAR)):]
+
+
+class IncrementalDecoder:
+    """Text of a growing list of ids, in work proportional to the new ids.
+
+    Ids whose text ends inside a character are held until the character completes, so
+    the text returned by :meth:`push` is final and never retracted.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.read = 0  # ids whose text has been returned
+        self.text = ""
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(int(i) for i in new_ids)
+        delta = decode_suffix(self.tokenizer, self.ids[: self.read], self.ids[self.read:])
+        if delta.endswith(REPLACEMENT_CHAR):
+            return ""
+        self.read = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is pending, even an unfinished character (end of generation)."""
+        delta = decode_suffix(self.tokenizer, self.ids[: self.read], self.ids[self.read:])
+        self.read = len(self.ids)
+        self.text += delta
+        return delta

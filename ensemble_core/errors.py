@@ -1,0 +1,85 @@
+"""Typed errors raised by the ensemble core.
+
+Every error names the problem *and* the fix, so that a user of a LangChain chain or a
+LlamaIndex query engine sees something actionable instead of a shape error deep inside
+torch. The hierarchy is small on purpose: catch :class:`EnsembleError` for everything,
+or one of the three families (configuration, model loading, input).
+"""
+
+from __future__ import annotations
+
+
+class EnsembleError(Exception):
+    """Base class of every error raised by ``ensemble_core``."""
+
+
+class ConfigurationError(EnsembleError, ValueError):
+    """An option value or a combination of options is invalid."""
+
+
+class InvalidOptionError(ConfigurationError):
+    """One option has a value outside its allowed range or set."""
+
+    def __init__(self, option: str, value: object, expected: str) -> None:
+        self.option, self.value, self.expected = option, value, expected
+        super().__init__(f"Invalid value for {option!r}: {value!r}. Expected {expected}.")
+
+
+class NoMembersError(ConfigurationError):
+    """An ensemble was built with too few members."""
+
+    def __init__(self, got: int = 0, need: int = 1) -> None:
+        super().__init__(
+            f"An ensemble needs at least {need} member(s), got {got}. Pass members=[...] with "
+            "aliases (e.g. 'smollm2-135m-instruct', 'gemma3-270m'), Hugging Face ids, local "
+            "directories, GGUF files or (model, tokenizer) pairs."
+        )
+
+
+class ModelLoadError(EnsembleError, RuntimeError):
+    """A member's model or tokenizer could not be loaded."""
+
+
+class UnknownAliasError(ModelLoadError, KeyError):
+    """A member was named by something that is neither an alias, a path nor a usable id."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        super().__init__(
+            f"Unknown member {name!r}: it is not a built-in alias ({', '.join(sorted(known))}), "
+            "not an existing local directory or .gguf file, and not a Hugging Face model id "
+            "available offline. Fix the spelling, pass a path, or download the model first."
+        )
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return str(self.args[0])
+
+
+class MissingDependencyError(ModelLoadError, ImportError):
+    """An optional package needed for the requested feature is not installed."""
+
+    def __init__(self, package: str, needed_for: str, install: str | None = None) -> None:
+        self.package = package
+        hint = install or f"pip install {package}"
+        super().__init__(f"The package {package!r} is needed for {needed_for}. Install it: {hint}")
+
+
+class InputError(EnsembleError, ValueError):
+    """A prompt, message list or call argument cannot be processed."""
+
+
+class PromptTooLongError(InputError):
+    """The prompt does not fit into a member's context window."""
+
+    def __init__(self, member: str, prompt_tokens: int, max_new_tokens: int, window: int) -> None:
+        self.member = member
+        self.prompt_tokens, self.max_new_tokens, self.window = prompt_tokens, max_new_tokens, window
+        super().__init__(
+            f"The prompt is {prompt_tokens} tokens for member {member!r}, and with "
+            f"max_new_tokens={max_new_tokens} it exceeds that member's context window of {window} "
+            "tokens. Shorten the prompt, lower max_new_tokens, or drop that member."
+        )
+
+
+class GenerationCancelled(EnsembleError):
+    """Generation was stopped from outside (a cancelled async task or a closed stream)."""

@@ -1,0 +1,285 @@
+"""The generation loop shared by every ensemble method.
+
+A method is a two-method strategy object, like transformers' ``CandidateGenerator``:
+:meth:`EnsembleMethod.begin` prepares a request (each member's prompt and decoding
+state) and :meth:`EnsembleMethod.step` runs one round and returns the text it
+*committed*. Everything else (stop strings, streaming without retractions, cancellation,
+batching, token counting, timing) lives here once, so SAFE, SpecEM and the baselines
+behave identically towards callers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from .alignment import REPLACEMENT_CHAR
+from .chat import Prompt
+from .errors import ConfigurationError, InvalidOptionError, NoMembersError
+from .members import Member
+
+FINISH_REASONS = ("stop", "length", "eos", "cancelled")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Options every method understands. Method configs subclass this.
+
+    Greedy decoding by default (the deterministic setting of the papers); with
+    ``do_sample=True`` tokens are drawn at ``temperature`` / ``top_p`` from a generator
+    seeded by ``seed`` so that a seeded run is reproducible.
+    """
+
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidOptionError("stop", self.stop, "a list of non-empty strings")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidOptionError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or self.temperature <= 0:
+            raise InvalidOptionError("temperature", self.temperature, "a number > 0 (use do_sample=False for greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise InvalidOptionError("top_p", self.top_p, "a number in (0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidOptionError("seed", self.seed, "an integer or None")
+
+    def replace(self, **overrides: Any) -> GenerationConfig:
+        """A copy with ``overrides`` applied (and validated); unknown names raise."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"Unknown option(s) {', '.join(unknown)} for {type(self).__name__}; known: {', '.join(sorted(known))}."
+            )
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items()})
+
+
+@dataclass
+class Chunk:
+    """What one round of a method commits."""
+
+    text: str
+    done: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    """A finished generation. Token counts use the method's primary member's tokenizer."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    seconds: float
+    time_to_first_chunk: float | None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def make_generator(config: GenerationConfig, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A seeded generator for sampling, or None for greedy decoding."""
+    if not config.do_sample:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(config.seed if config.seed is not None else int(torch.seed() % 2**63))
+    return gen
+
+
+def choose_token(probs: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> int:
+    """Greedy argmax, or a temperature / nucleus sample from a probability vector."""
+    if not config.do_sample:
+        return int(torch.argmax(probs))
+    p = probs.float()
+    if config.temperature != 1.0:
+        p = torch.pow(p.clamp_min(1e-30), 1.0 / config.temperature)
+    p = p / p.sum()
+    if config.top_p < 1.0:
+        sorted_p, order = torch.sort(p, descending=True)
+        cum = torch.cumsum(sorted_p, 0)
+        cut = cum - sorted_p > config.top_p
+        sorted_p[cut] = 0.0
+        p = torch.zeros_like(p).scatter_(0, order, sorted_p)
+        p = p / p.sum()
+    return int(torch.multinomial(p.cpu(), 1, generator=generator if generator is None or generator.device.type == "cpu" else None))
+
+
+C = TypeVar("C", bound=GenerationConfig)
+
+
+class EnsembleMethod(ABC, Generic[C]):
+    """An ensemble strategy over a list of members (one subclass per method).
+
+    Subclasses set ``name``, ``config_class`` and ``min_members`` and implement
+    :meth:`begin` and :meth:`step`; :meth:`primary` names the member whose tokenizer
+    counts tokens (the drafter for SAFE, the first member otherwise).
+    """
+
+    name: ClassVar[str] = "method"
+    config_class: ClassVar[type[GenerationConfig]] = GenerationConfig
+    min_members: ClassVar[int] = 1
+
+    def __init__(self, members: Sequence[Member], config: C | None = None, **options: Any) -> None:
+        members = list(members)
+        if len(members) < self.min_members:
+            raise NoMembersError(len(members), self.min_members)
+        for m in members:
+            if not isinstance(m, Member):
+                raise ConfigurationError(f"{type(self).__name__} takes Member objects, got {type(m).__name__}.")
+        self.members: list[Member] = members
+        if config is not None and not isinstance(config, self.config_class):
+            raise ConfigurationError(f"{type(self).__name__} expects a {self.config_class.__name__}, got {type(config).__name__}.")
+        base = config if config is not None else self.config_class()
+        self.config: C = base.replace(**options) if options else base  # type: ignore[assignment]
+
+    # ------------------------------------------------------------ to implement
+    @abstractmethod
+    def begin(self, prompt: Prompt, config: C) -> Any:
+        """Prepare one request: render and encode the prompt for each member."""
+
+    @abstractmethod
+    def step(self, request: Any) -> Chunk:
+        """Run one round; return the text committed in it (never retracted later)."""
+
+    def stats(self, request: Any) -> dict[str, Any]:
+        """Method statistics for a finished request (JSON-serialisable)."""
+        return {}
+
+    @property
+    def primary(self) -> Member:
+        return self.members[0]
+
+    def prompt_tokens(self, request: Any) -> int:
+        """Prompt length in the primary member's tokens (override when states differ)."""
+        state = getattr(request, "states", None)
+        return state[0].prompt_len if state else 0
+
+    # ------------------------------------------------------------ shared loop
+    def stop_strings(self, config: GenerationConfig) -> tuple[str, ...]:
+        stops = list(config.stop)
+        for m in self.members:
+            stops.extend(s for s in m.stop_strings if s not in stops)
+        return tuple(stops)
+
+    def stream(self, prompt: Prompt, cancel: threading.Event | None = None, **overrides: Any) -> GenerationStream:
+        """Text deltas as they are committed; ``.result`` holds the result once exhausted."""
+        config = self.config.replace(**overrides) if overrides else self.config
+        return GenerationStream(self, prompt, config, cancel)
+
+    def generate(self, prompt: Prompt, cancel: threading.Event | None = None, **overrides: Any) -> GenerationResult:
+        stream = self.stream(prompt, cancel=cancel, **overrides)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def batch(self, prompts: Sequence[Prompt], **overrides: Any) -> list[GenerationResult]:
+        """Several prompts. Runs them one after another (members hold per-request caches)."""
+        return [self.generate(p, **overrides) for p in prompts]
+
+
+def _holdback(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of ``text`` that may still become the start of a stop string."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+class GenerationStream:
+    """Iterator of committed text deltas; concatenated, they equal ``result.text``.
+
+    Leading whitespace of the response is dropped (base-model transcripts start with a
+    space after ``Assistant:``); stop strings are cut, and text that may still turn out to
+    be the start of a stop string is held back until it is decided.
+    """
+
+    def __init__(self, method: EnsembleMethod, prompt: Prompt, config: GenerationConfig,
+                 cancel: threading.Event | None = None) -> None:
+        self.method, self.prompt, self.config = method, prompt, config
+        self.cancel_event = cancel or threading.Event()
+        self.result: GenerationResult | None = None
+        self._iter = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self._iter
+
+    def __next__(self) -> str:
+        return next(self._iter)
+
+    def cancel(self) -> None:
+        """Ask the loop to stop after the current round."""
+        self.cancel_event.set()
+
+    def _run(self) -> Iterator[str]:
+        t0 = time.perf_counter()
+        method, config = self.method, self.config
+        stops = method.stop_strings(config)
+        longest = max((len(s) for s in stops), default=0)
+        request = method.begin(self.prompt, config)
+        raw, emitted, lead, lead_fixed = "", 0, 0, False
+        first: float | None = None
+        while True:
+            if self.cancel_event.is_set():
+                finish = "cancelled"
+                break
+            chunk = method.step(request)
+            before = len(raw)
+            raw += chunk.text
+            hits = [i for i in (raw.find(s, max(0, before - longest + 1)) for s in stops) if i >= 0]
+            done = chunk.done or bool(hits)
+            if hits:
+                raw, finish = raw[: min(hits)], "stop"
+            else:
+                finish = chunk.finish_reason or "eos"
+            if not lead_fixed:
+                stripped = raw.lstrip()
+                lead, lead_fixed = len(raw) - len(stripped), bool(stripped)
+            end = len(raw)
+            if not done:  # hold back a possible stop-string start and an unfinished character
+                end -= _holdback(raw, stops)
+                while end > lead and raw[end - 1] == REPLACEMENT_CHAR:
+                    end -= 1
+            start = max(emitted, lead)
+            if end > start:
+                if first is None:
+                    first = time.perf_counter() - t0
+                yield raw[start:end]
+                emitted = end
+            if done:
+                break
+        text = raw[lead:max(emitted, lead)]
+        self.result = GenerationResult(
+            text=text,
+            finish_reason=finish,
+            prompt_tokens=method.prompt_tokens(request),
+            completion_tokens=method.primary.count_tokens(text) if text else 0,
+            seconds=time.perf_counter() - t0,
+            time_to_first_chunk=first,
+            stats=method.stats(request),
+        )

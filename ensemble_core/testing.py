@@ -1,0 +1,51 @@
+"""Tiny random-weight members with real tokenizers, for fast tests and GPU shape checks.
+
+Building a model from a transformers config costs milliseconds and needs no weights, but
+keeping the bundled models' *real* tokenizers keeps every cross-tokenizer code path real.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .bundled import BUNDLED, convert_gguf
+from .members import Member
+
+
+def bundled_tokenizer(alias: str) -> Any:
+    """The real tokenizer of a bundled model (converted once, then read from the cache)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(convert_gguf(BUNDLED[alias].locate()), local_files_only=True)
+
+
+def tiny_config(alias: str, tokenizer: Any, hidden: int = 64, layers: int = 2, **overrides: Any) -> Any:
+    """A small config of the bundled model's architecture with the tokenizer's vocabulary."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    vocab = len(tokenizer)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if alias.startswith("gemma"):
+        common.update(head_dim=hidden // 4, sliding_window=overrides.pop("sliding_window", 512),
+                      layer_types=overrides.pop("layer_types", None))
+        if common["layer_types"] is None:
+            common["layer_types"] = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
+        return Gemma3TextConfig(**common, **overrides)
+    return LlamaConfig(**common, tie_word_embeddings=True, **overrides)
+
+
+def tiny_member(alias: str, seed: int = 0, name: str | None = None, **overrides: Any) -> Member:
+    """A random-weight member shaped like ``alias`` with its real tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = bundled_tokenizer(alias)
+    config = tiny_config(alias, tokenizer, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    return Member(model, tokenizer, name=name or f"tiny-{alias}-{seed}")
