@@ -123,7 +123,8 @@ def choose_token(probs: torch.Tensor, config: GenerationConfig, generator: torch
         sorted_p[cut] = 0.0
         p = torch.zeros_like(p).scatter_(0, order, sorted_p)
         p = p / p.sum()
-    return int(torch.multinomial(p.cpu(), 1, generator=generator if generator is None or generator.device.type == "cpu" else None))
+    cpu_gen = generator if generator is None or generator.device.type == "cpu" else None
+    return int(torch.multinomial(p.cpu(), 1, generator=cpu_gen))
 
 
 C = TypeVar("C", bound=GenerationConfig)
@@ -150,7 +151,9 @@ class EnsembleMethod(ABC, Generic[C]):
                 raise ConfigurationError(f"{type(self).__name__} takes Member objects, got {type(m).__name__}.")
         self.members: list[Member] = members
         if config is not None and not isinstance(config, self.config_class):
-            raise ConfigurationError(f"{type(self).__name__} expects a {self.config_class.__name__}, got {type(config).__name__}.")
+            raise ConfigurationError(
+                f"{type(self).__name__} expects a {self.config_class.__name__}, got {type(config).__name__}."
+            )
         base = config if config is not None else self.config_class()
         self.config: C = base.replace(**options) if options else base  # type: ignore[assignment]
 
