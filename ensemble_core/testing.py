@@ -6,6 +6,7 @@ keeping the bundled models' *real* tokenizers keeps every cross-tokenizer code p
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -14,8 +15,9 @@ from .bundled import BUNDLED, convert_gguf
 from .members import Member
 
 
+@functools.lru_cache(maxsize=None)
 def bundled_tokenizer(alias: str) -> Any:
-    """The real tokenizer of a bundled model (converted once, then read from the cache)."""
+    """The real tokenizer of a bundled model (converted once, then read from the cache; one per process)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(convert_gguf(BUNDLED[alias].locate()), local_files_only=True)

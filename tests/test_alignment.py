@@ -1,0 +1,106 @@
+"""Alignment on the two real tokenizers over adversarial strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from ensemble_core.alignment import (
+    IncrementalDecoder,
+    decode,
+    decode_suffix,
+    encode_continuation,
+    is_common_boundary,
+    tokenize,
+)
+from ensemble_core.testing import bundled_tokenizer
+
+ADVERSARIAL = [
+    "Sofia met Sofía in São Paulo.",
+    " Incorrect",
+    "The answer is 12,345.67 dollars, not -8.5 or 1e10.",
+    "Crème brûlée, naïve façade, Ångström.",
+    "東京は日本の首都です。北京和上海。",
+    "Emoji: 😀👍🏽 and 🇫🇷 flags!",
+    "def f(x):\n    if x:\n        return x  # comment\n\treturn None\n",
+    "Spaces:   three,     five\n\n\n\nfour newlines\r\nand CRLF.",
+    "Mixed 123abc456 and ½ ¼ ∑ ∫ ≠ symbols",
+]
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
+def tok(request: pytest.FixtureRequest):
+    return bundled_tokenizer(request.param)
+
+
+@pytest.mark.parametrize("text", ADVERSARIAL)
+def test_boundaries_are_character_offsets(tok, text: str) -> None:
+    t = tokenize(tok, text)
+    assert decode(tok, t.ids) == text  # round trip
+    assert list(t.ends) == sorted(t.ends) and t.ends[-1] == len(text)
+    for i, (s, e, ok) in enumerate(zip(t.starts, t.ends, t.valid)):
+        assert 0 <= s <= e <= len(text)
+        if ok:  # the text of tokens up to a valid boundary decodes to exactly that prefix
+            assert decode(tok, t.ids[: i + 1]) == text[:e]
+        else:  # an invalid boundary is inside a character: the decoded prefix is broken
+            assert decode(tok, t.ids[: i + 1]) != text[:e]
+    assert t.is_boundary(0) and t.is_boundary(len(text))
+    assert t.boundaries() == {0} | {e for e, ok in zip(t.ends, t.valid) if ok}
+
+
+@pytest.mark.parametrize("text", ADVERSARIAL)
+def test_continuation_equals_full_encoding(tok, text: str) -> None:
+    """Appending text piece by piece reuses all but the re-encoded margin and ends equal."""
+    cut_points = sorted({len(text) * k // 5 for k in range(1, 5)} | {len(text)})
+    prev = tokenize(tok, text[: cut_points[0]])
+    for cut in cut_points[1:]:
+        keep, cont = encode_continuation(tok, text[:cut], prev, margin=5)
+        full = tokenize(tok, text[:cut])
+        assert cont.ids == full.ids and cont.ends == full.ends and cont.valid == full.valid
+        assert cont.ids[:keep] == prev.ids[:keep]
+        assert keep >= len(prev) - 5 - 3 or keep == cont.ids.__len__()  # only the margin (+ a char) is redone
+        prev = cont
+
+
+def test_continuation_after_divergence(tok) -> None:
+    """When the tail of the old text is replaced (a draft rejected), the kept ids stop before it."""
+    old = tokenize(tok, "The result is Incorrect because")
+    keep, new = encode_continuation(tok, "The result is Inconsistent", old)
+    assert new.ids == tokenize(tok, "The result is Inconsistent").ids
+    assert decode(tok, new.ids[:keep]) == decode(tok, old.ids[:keep])
+    assert len(decode(tok, new.ids[:keep])) <= len("The result is Inc")
+
+
+def test_incorrect_is_not_a_common_boundary() -> None:
+    smol, gemma = bundled_tokenizer("smollm2-135m-instruct"), bundled_tokenizer("gemma3-270m")
+    a, b = tokenize(smol, " Incorrect"), tokenize(gemma, " Incorrect")
+    assert [decode(smol, [i]) for i in a.ids] == [" Inc", "orrect"]
+    assert len(b.ids) == 1
+    assert a.is_boundary(4) and not b.is_boundary(4)
+    assert not is_common_boundary(4, [a, b])
+    assert is_common_boundary(0, [a, b]) and is_common_boundary(10, [a, b])
+
+
+def test_split_characters_are_not_boundaries() -> None:
+    smol = bundled_tokenizer("smollm2-135m-instruct")
+    t = tokenize(smol, "東京 😀")
+    assert len(t.ids) > 4  # byte-level pieces
+    assert not t.is_boundary(len("東京 😀") - 1) or t.is_boundary(3)
+    inside = [e for e, ok in zip(t.ends, t.valid) if not ok]
+    assert inside, "byte-level BPE must produce in-character token ends"
+    assert all(decode(smol, t.ids[: i + 1]).endswith("\ufffd") for i, ok in enumerate(t.valid) if not ok)
+
+
+def test_incremental_decoder_never_emits_partial_characters(tok) -> None:
+    text = "Emoji 😀 and 東京, done."
+    t = tokenize(tok, text)
+    ids = list(t.ids)
+    dec, out = IncrementalDecoder(tok), []
+    for i in ids:
+        delta = dec.push([i])
+        assert "\ufffd" not in delta
+        out.append(delta)
+    assert "".join(out) + dec.flush() == text
+    for k in range(1, len(ids)):
+        suffix = decode_suffix(tok, ids[:k], ids[k:])
+        # after a valid boundary: exactly the rest; inside a character: the rest from that character
+        assert suffix == text[t.ends[k - 1]:] if t.valid[k - 1] else text.endswith(suffix) and len(suffix) > len(text) - t.ends[k - 1]

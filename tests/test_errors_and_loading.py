@@ -1,0 +1,92 @@
+"""Every typed error of the foundation, raised with a message that names the fix; loading paths."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ensemble_core import (
+    Ensemble,
+    InvalidOptionError,
+    Member,
+    MemberSpec,
+    MissingDependencyError,
+    NoMembersError,
+    PromptTooLongError,
+    UnknownAliasError,
+)
+from ensemble_core.bundled import convert_gguf
+from ensemble_core.errors import ConfigurationError, EnsembleError, InputError, ModelLoadError
+from ensemble_core.members import load_objects
+
+
+def test_hierarchy() -> None:
+    for cls in (InvalidOptionError, NoMembersError):
+        assert issubclass(cls, ConfigurationError) and issubclass(cls, ValueError)
+    for cls in (UnknownAliasError, MissingDependencyError):
+        assert issubclass(cls, ModelLoadError)
+    assert issubclass(PromptTooLongError, InputError)
+    assert all(issubclass(c, EnsembleError) for c in (ConfigurationError, ModelLoadError, InputError))
+
+
+def test_no_members() -> None:
+    with pytest.raises(NoMembersError, match="at least 1 member"):
+        Ensemble([], method="single")
+
+
+def test_unknown_alias_names_the_known_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UnknownAliasError) as err:
+        Member.load("smollm-135m-instruct")  # typo
+    msg = str(err.value)
+    assert "smollm-135m-instruct" in msg and "smollm2-135m-instruct" in msg and "gemma3-270m" in msg
+
+
+def test_missing_gguf_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf → ImportError
+    with pytest.raises(MissingDependencyError, match="pip install gguf"):
+        convert_gguf(fake)
+
+
+def test_prompt_longer_than_context_window(tiny_llama: Member) -> None:
+    window = tiny_llama.context_window
+    with pytest.raises(PromptTooLongError) as err:
+        tiny_llama.start("word " * window, max_new_tokens=10)
+    assert str(window) in str(err.value) and "max_new_tokens" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        (dict(source="x", dtype="float8"), "dtype"),
+        (dict(source="x", device="gpu0"), "device"),
+        (dict(source="x", device="cpu", device_map="auto"), "device_map"),
+        (dict(source=""), "source"),
+    ],
+)
+def test_invalid_member_options(kwargs: dict, option: str) -> None:
+    with pytest.raises(InvalidOptionError, match=option):
+        MemberSpec(**kwargs)
+
+
+def test_bad_member_objects(tiny_llama: Member) -> None:
+    with pytest.raises(InputError):
+        Member(None, tiny_llama.tokenizer)
+    with pytest.raises(ConfigurationError, match="Cannot build a member"):
+        Ensemble([42], method="single")
+
+
+def test_members_from_objects_and_local_directory(tiny_llama: Member, tmp_path: Path) -> None:
+    ens = Ensemble([(tiny_llama.model, tiny_llama.tokenizer)], method="single", max_new_tokens=3)
+    assert ens.members[0].model is tiny_llama.model
+    tiny_llama.model.save_pretrained(tmp_path)
+    tiny_llama.tokenizer.save_pretrained(tmp_path)
+    a = load_objects(MemberSpec(str(tmp_path)))
+    b = load_objects(MemberSpec(str(tmp_path)))
+    assert a[0] is b[0]  # cached per process
+    member = Member.load(str(tmp_path))
+    assert member.name == tmp_path.name and member.vocab_size == tiny_llama.vocab_size

@@ -1,0 +1,120 @@
+"""The shared generation loop: stop strings, streaming, cancellation, configs, SingleModel."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from ensemble_core import Ensemble, GenerationConfig, InvalidOptionError, Member
+from ensemble_core.errors import ConfigurationError, NoMembersError
+from ensemble_core.generation import Chunk, EnsembleMethod, _holdback
+
+
+@dataclass
+class _Script:
+    chunks: list[str]
+    states: list = None  # type: ignore[assignment]
+    i: int = 0
+
+
+class Scripted(EnsembleMethod[GenerationConfig]):
+    """Replays fixed committed chunks: isolates the loop's text handling from any model."""
+
+    name = "scripted"
+
+    def __init__(self, members, chunks, **kw):
+        super().__init__(members, **kw)
+        self.chunks = chunks
+
+    def begin(self, prompt, config):
+        return _Script(list(self.chunks))
+
+    def step(self, request):
+        request.i += 1
+        if request.i > len(request.chunks):
+            return Chunk("", done=True, finish_reason="eos")
+        return Chunk(request.chunks[request.i - 1])
+
+
+def run(member: Member, chunks: list[str], **kw):
+    method = Scripted([member], chunks, **kw)
+    stream = method.stream("hi")
+    parts = list(stream)
+    return parts, stream.result
+
+
+def test_stop_string_across_chunks_is_cut_and_never_emitted(tiny_llama: Member) -> None:
+    parts, result = run(tiny_llama, [" Hello", " wor", "ld\nUs", "er: more"], stop=["\nUser:"])
+    assert result.text == "Hello world" and result.finish_reason == "stop"
+    assert "".join(parts) == result.text
+    assert all("\n" not in p for p in parts)
+
+
+def test_leading_whitespace_dropped_and_eos(tiny_llama: Member) -> None:
+    parts, result = run(tiny_llama, ["  ", "\n", " Yes", " sir"])
+    assert result.text == "Yes sir" and result.finish_reason == "eos" and "".join(parts) == "Yes sir"
+
+
+def test_partial_character_is_held_back(tiny_llama: Member) -> None:
+    parts, result = run(tiny_llama, ["A\ufffd", "", "B"])
+    assert parts[0] == "A"
+
+
+def test_holdback() -> None:
+    assert _holdback("abc\nUs", ["\nUser:"]) == 3
+    assert _holdback("abc", ["\nUser:"]) == 0
+    assert _holdback("x#", ["##", "#!"]) == 1
+
+
+def test_cancel_stops_generation(tiny_llama: Member) -> None:
+    method = Scripted([tiny_llama], ["a"] * 100)
+    cancel = threading.Event()
+    stream = method.stream("hi", cancel=cancel)
+    first = next(iter(stream))
+    cancel.set()
+    rest = list(stream)
+    assert stream.result.finish_reason == "cancelled" and stream.result.text == first + "".join(rest)
+    assert len(stream.result.text) < 100
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [dict(max_new_tokens=0), dict(temperature=0), dict(top_p=1.5), dict(stop=[""]), dict(seed="x")],
+)
+def test_bad_generation_config_raises_typed_error(bad) -> None:
+    with pytest.raises(InvalidOptionError) as err:
+        GenerationConfig(**bad)
+    assert next(iter(bad)) in str(err.value)
+
+
+def test_unknown_override_is_named(tiny_llama: Member) -> None:
+    with pytest.raises(ConfigurationError, match="lookahed"):
+        Ensemble([tiny_llama], method="single", lookahed=3)
+
+
+def test_no_members_and_unknown_method() -> None:
+    with pytest.raises(NoMembersError, match="at least 1"):
+        Ensemble([], method="single")
+    with pytest.raises(InvalidOptionError, match="method"):
+        Ensemble(["x"], method="nope")
+
+
+def test_single_model_stream_equals_generate_and_counts(tiny_gemma: Member) -> None:
+    ens = Ensemble([tiny_gemma], method="single", max_new_tokens=12)
+    result = ens.generate("Tell me a story")
+    stream = ens.stream("Tell me a story")
+    assert "".join(stream) == result.text and stream.result.text == result.text
+    assert result.finish_reason in ("length", "eos", "stop")
+    assert result.prompt_tokens > 0 and result.stats["tokens"] <= 12
+    assert ens.batch(["Tell me a story", "Hi"])[0].text == result.text
+
+
+def test_sampling_is_reproducible_under_a_seed(tiny_llama: Member) -> None:
+    ens = Ensemble([tiny_llama], method="single", max_new_tokens=10, do_sample=True, seed=7, temperature=1.5)
+    a, b = ens.generate("Hello"), ens.generate("Hello")
+    c = ens.generate("Hello", seed=8)
+    assert a.text == b.text
+    assert a.stats["tokens"] == b.stats["tokens"]
+    assert c.text != a.text or c.stats["tokens"] != a.stats["tokens"]

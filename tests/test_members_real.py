@@ -1,0 +1,90 @@
+"""Bundled real models: offline loading and incremental decoding through the member API.
+
+Incremental greedy decoding (prefill, step, crop, continue) must reproduce
+``model.generate(do_sample=False)`` token for token, also after cropping the cache back
+by k tokens and re-decoding, and past Gemma-3's 512-token sliding window.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ensemble_core import Member
+from ensemble_core.bundled import cache_dir
+from ensemble_core.members import DecodeState
+
+pytestmark = pytest.mark.real
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Sofia has 12,345.67 dollars. She spends 345 dollars. How much is left?",
+    "Écris une phrase sur le café. 東京 😀",
+    "Write a Python function that returns the square of x.",
+]
+
+
+def reference(member: Member, state: DecodeState, n: int) -> list[int]:
+    ids = torch.tensor([state.ids[: state.prompt_len]])
+    out = member.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                pad_token_id=member.tokenizer.pad_token_id or 0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def greedy(state: DecodeState, n: int, eos: frozenset[int]) -> list[int]:
+    row, out = state.score()[-1], []
+    for _ in range(n):
+        tok = int(row.argmax())
+        out.append(tok)
+        if tok in eos:
+            break
+        row = state.score([tok])[-1]
+    return out
+
+
+def test_loads_offline_from_conversion_cache(smollm2: Member, gemma3: Member) -> None:
+    """Both bundled models come from the safetensors conversion cache, offline, once per process."""
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    root = cache_dir() / "converted"
+    for m in (smollm2, gemma3):
+        path = Path(m.model.config.name_or_path)
+        assert path.parent == root and any(path.glob("*.safetensors")), path
+    assert Member.load("gemma3-270m").model is gemma3.model  # weights shared, not reloaded
+    assert smollm2.tokenizer.chat_template and not getattr(gemma3.tokenizer, "chat_template", None)
+    assert gemma3.stop_strings == ("\nUser:",) and smollm2.stop_strings == ()
+    assert smollm2.eos_token_ids and gemma3.eos_token_ids
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_incremental_greedy_equals_generate(which: str, request: pytest.FixtureRequest) -> None:
+    member: Member = request.getfixturevalue(which)
+    for prompt in PROMPTS[:3]:
+        state = member.start(prompt)
+        want = reference(member, state, 16)
+        got = greedy(state, 16, member.eos_token_ids)
+        assert got == want[: len(got)] and (len(got) == len(want) or got[-1] in member.eos_token_ids), prompt
+        # Crop back k tokens and decode them again: the same tokens must come out.
+        k = min(6, len(state.response_ids) - 1)
+        if k > 0:
+            keep = state.response_ids[:-k]
+            state.crop(state.prompt_len + len(keep))
+            again = keep + greedy(state, len(got) - len(keep), member.eos_token_ids)
+            assert again == got, prompt
+        assert state.stats.forward_passes > 0 and state.stats.reprefills == 0
+
+
+def test_gemma_crop_past_sliding_window(gemma3: Member) -> None:
+    """A prompt longer than the 512-token window: decode, crop back, continue == generate."""
+    text = " ".join(f"Item {i} costs {i * 3} dollars." for i in range(90))
+    state = gemma3.start(text + "\nWhat does item 7 cost?")
+    assert state.prompt_len > 600
+    want = reference(gemma3, state, 10)
+    got = greedy(state, 10, gemma3.eos_token_ids)
+    assert got == want[: len(got)]
+    state.crop(len(state.ids) - 4)
+    again = state.response_ids + greedy(state, len(got) - len(state.response_ids), gemma3.eos_token_ids)
+    assert again == got
+    assert state.stats.reprefills == 0  # the crop stayed within what past recording keeps
