@@ -15,7 +15,7 @@ from .bundled import BUNDLED, convert_gguf
 from .members import Member
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bundled_tokenizer(alias: str) -> Any:
     """The real tokenizer of a bundled model (converted once, then read from the cache; one per process)."""
     from transformers import AutoTokenizer

@@ -103,4 +103,7 @@ def test_incremental_decoder_never_emits_partial_characters(tok) -> None:
     for k in range(1, len(ids)):
         suffix = decode_suffix(tok, ids[:k], ids[k:])
         # after a valid boundary: exactly the rest; inside a character: the rest from that character
-        assert suffix == text[t.ends[k - 1]:] if t.valid[k - 1] else text.endswith(suffix) and len(suffix) > len(text) - t.ends[k - 1]
+        if t.valid[k - 1]:
+            assert suffix == text[t.ends[k - 1]:]
+        else:
+            assert text.endswith(suffix) and len(suffix) > len(text) - t.ends[k - 1]
