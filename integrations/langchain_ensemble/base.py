@@ -1,0 +1,297 @@
+"""What ChatEnsemble and EnsembleLLM share: their fields, and the mapping of LangChain's
+standard parameters onto one core call.
+
+The adapters are thin on purpose (like ``langchain-huggingface``'s ``ChatHuggingFace``):
+they translate messages and metadata, and every token is produced by
+:class:`ensemble_core.Ensemble`. This module holds the translation of parameters:
+
+========================  ==========================================================
+LangChain parameter       core
+========================  ==========================================================
+``members`` / ``model``   the members (``model`` = member names joined by ``"+"``)
+``method``                ``Ensemble(method=...)``: ``"safe"``, ``"specem"``, ``"single"``...
+``method_config`` and     the method's config fields (``lookahead``, ``segment_length``...);
+unknown keyword args      names that are not config fields raise ConfigurationError
+``temperature``           ``0``/``None`` → greedy; ``> 0`` → ``do_sample=True`` at that temperature
+``max_tokens``            ``max_new_tokens`` (counted in the primary member's tokens)
+``top_p``, ``seed``       the same config fields
+``stop``                  ``stop`` (a per-call ``stop`` replaces the instance's, as in ChatOpenAI);
+                          members' own stop strings (``"\\nUser:"`` for template-less
+                          members) are always added by the core
+``timeout``               seconds; the core stream's cancel event is set at the deadline and
+                          :class:`~langchain_ensemble.runner.GenerationTimeout` is raised
+``max_retries``           accepted and validated, never used: local generation has no
+                          transient (network, rate-limit) errors to retry, and repeating a
+                          deterministic failure would only waste time
+``streaming``             ``invoke`` goes through ``_stream`` (callbacks per chunk)
+``api_key``               accepted for drop-in compatibility with hosted chat models; local
+                          members need no key and it is never read
+========================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from langchain_core.utils.pydantic import get_fields
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator
+
+from ensemble_core import ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, method_class
+from ensemble_core.chat import Prompt
+
+from .registry import get_ensemble
+from .runner import CoreRun
+
+DEFAULT_METHOD = "safe"
+PROVIDER = "ensemble"
+#: Core finish reasons → the OpenAI-style values LangChain users check for.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
+#: Call-time keyword arguments that LangChain itself may forward and that carry no option.
+_IGNORED_CALL_KWARGS = frozenset({"stream"})
+_CALL_KWARGS = ("temperature", "max_tokens", "top_p", "seed", "timeout", "model")
+
+
+def config_fields(method: str) -> frozenset[str]:
+    """Names of the config fields of a registered method (raises for unknown methods)."""
+    return frozenset(f.name for f in dataclasses.fields(method_class(method).config_class))
+
+
+def split_model(model: str) -> list[str]:
+    """``"a+b"`` → ``["a", "b"]``: the member list encoded in a ``model`` string."""
+    parts = [p.strip() for p in model.split("+")]
+    if not all(parts):
+        raise InvalidOptionError("model", model, "member names joined by '+', e.g. 'smollm2-135m-instruct+gemma3-270m'")
+    return parts
+
+
+def usage_metadata(result: GenerationResult) -> dict[str, int]:
+    """LangChain ``UsageMetadata``; counted with the method's primary member's tokenizer."""
+    return {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens,
+            "total_tokens": result.total_tokens}
+
+
+def response_metadata(result: GenerationResult, ensemble: Ensemble, model_name: str) -> dict[str, Any]:
+    """What a response says about how it was made (see the README for each key)."""
+    return {
+        "model_name": model_name,
+        "model_provider": PROVIDER,
+        "finish_reason": FINISH_REASONS.get(result.finish_reason, result.finish_reason),
+        "stop_reason": result.finish_reason,
+        "method": ensemble.method_name,
+        "ensemble": ensemble.name,
+        "members": [m.name for m in ensemble.members],
+        "token_counter": ensemble.method.primary.name,
+        "seconds": result.seconds,
+        "time_to_first_chunk": result.time_to_first_chunk,
+        "stats": result.stats,
+    }
+
+
+class EnsembleFields(BaseModel):
+    """Fields and helpers shared by :class:`ChatEnsemble` and :class:`EnsembleLLM`."""
+
+    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True, protected_namespaces=())
+
+    members: list[Any] | None = None
+    """Aliases, local paths, GGUF files, Hugging Face ids, ``MemberSpec``s, prebuilt
+    ``ensemble_core.Member`` objects or ``(model, tokenizer)`` pairs. ``None``: the bundled
+    pair ``["smollm2-135m-instruct", "gemma3-270m"]``."""
+    model_name: str | None = Field(default=None, alias="model")
+    """The members as one string, names joined by ``"+"`` (``model=`` is the same field).
+    Set from ``members`` when not given; reported as ``model_name`` in responses."""
+    method: str = DEFAULT_METHOD
+    """Ensemble method registered in ``ensemble_core.METHODS``."""
+    method_config: dict[str, Any] = Field(default_factory=dict)
+    """Fields of the method's config dataclass (e.g. SAFE's ``lookahead``)."""
+    member_options: dict[str, Any] = Field(default_factory=dict)
+    """Loading options for members given by name (``dtype``, ``device``, ``device_map``...)."""
+    ensemble: Ensemble | None = Field(default=None, exclude=True)
+    """A prebuilt ``ensemble_core.Ensemble``, instead of members / method / method_config."""
+    temperature: float | None = None
+    max_tokens: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    timeout: float | None = None
+    max_retries: int | None = None
+    streaming: bool = False
+    api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
+
+    _core: Ensemble | None = PrivateAttr(default=None)
+
+    @field_validator("members", mode="before")
+    @classmethod
+    def _one_member_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) or not isinstance(value, (list, tuple, type(None))) else value
+
+    def __init__(self, **data: Any) -> None:
+        super().__init__(**_collect_method_options(type(self), data))
+        self._bind_ensemble()
+
+    # ------------------------------------------------------------------ construction
+    def _bind_ensemble(self) -> None:
+        """Resolve the ensemble (cached per process) and check every option once, here."""
+        explicit = self.model_fields_set
+        if self.ensemble is not None:
+            clash = {"members", "method_config", "member_options"} & explicit
+            if clash or ("method" in explicit and self.method != self.ensemble.method_name):
+                raise ConfigurationError(
+                    f"Pass either ensemble= or {', '.join(sorted(clash or {'method'}))}=, not both: a prebuilt "
+                    "Ensemble already has its members, method and config."
+                )
+            self.method = self.ensemble.method_name
+        if self.model_name is not None and self.members is not None:
+            if not all(isinstance(m, str) for m in self.members) or split_model(self.model_name) != list(self.members):
+                raise ConfigurationError(
+                    f"model={self.model_name!r} names other members than members={self.members!r}. Pass one of "
+                    "them (model='a+b' is short for members=['a', 'b'])."
+                )
+        ensemble = self._core_ensemble()
+        if self.model_name is None:
+            self.model_name = "+".join(m.name for m in ensemble.members)
+        _check_number("timeout", self.timeout, minimum=0.0, strict=True)
+        _check_number("max_retries", self.max_retries, minimum=0, integer=True)
+        ensemble.config.replace(**self._generation_overrides({}, None))  # validates the standard params
+
+    def _core_ensemble(self) -> Ensemble:
+        if self._core is None:
+            if self.ensemble is not None:
+                self._core = self.ensemble
+            else:
+                members = self.members
+                if members is None and self.model_name is not None:
+                    members = split_model(self.model_name)
+                self._core = get_ensemble(members, self.method, self.method_config, self.member_options)
+        return self._core
+
+    # ------------------------------------------------------------------ per call
+    def _ensemble_for(self, model: str | None) -> tuple[Ensemble, str]:
+        """The ensemble for a call, honouring a per-call ``model="a+b"`` override."""
+        own = self._core_ensemble()
+        if model is None or model == self.model_name:
+            return own, str(self.model_name)
+        if not isinstance(model, str):
+            raise InvalidOptionError("model", model, "member names joined by '+'")
+        return get_ensemble(split_model(model), own.method_name, self.method_config, self.member_options), model
+
+    def _generation_overrides(self, kwargs: dict[str, Any], stop: list[str] | None) -> dict[str, Any]:
+        """Standard parameters (instance values, overridden by call values) → core config overrides."""
+        out: dict[str, Any] = {}
+        temperature = kwargs.get("temperature", self.temperature)
+        if temperature is not None:
+            _check_number("temperature", temperature, minimum=0.0)
+            out.update(do_sample=False) if temperature == 0 else out.update(do_sample=True, temperature=float(temperature))
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            out["max_new_tokens"] = max_tokens
+        for name in ("top_p", "seed"):
+            value = kwargs.get(name, getattr(self, name))
+            if value is not None:
+                out[name] = value
+        stops = stop if stop is not None else self.stop
+        if stops:
+            out["stop"] = tuple(dict.fromkeys(stops))
+        return out
+
+    def _prepare(self, prompt: Prompt, stop: list[str] | None, kwargs: Mapping[str, Any]) -> tuple[CoreRun, Ensemble, str]:
+        """One core run for a call: ensemble, overrides, timeout. Unknown kwargs raise."""
+        kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_KWARGS}
+        ensemble, model_name = self._ensemble_for(kwargs.get("model"))
+        method_options = {k: v for k, v in kwargs.items() if k not in _CALL_KWARGS}
+        unknown = sorted(set(method_options) - config_fields(ensemble.method_name))
+        if unknown:
+            raise ConfigurationError(
+                f"Unknown keyword argument(s) {', '.join(unknown)} for {type(self).__name__}. Accepted per call: "
+                f"stop, {', '.join(_CALL_KWARGS)} and the {ensemble.method_name!r} config fields "
+                f"({', '.join(sorted(config_fields(ensemble.method_name)))}). Tool calling is not supported."
+            )
+        overrides = {**method_options, **self._generation_overrides(dict(kwargs), stop)}
+        timeout = kwargs.get("timeout", self.timeout)
+        _check_number("timeout", timeout, minimum=0.0, strict=True)
+        return CoreRun(ensemble, prompt, overrides, timeout=timeout), ensemble, model_name
+
+    # ------------------------------------------------------------------ tokens
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` in the primary member's own tokenizer (no special tokens).
+
+        The primary member (SAFE: the drafter; other methods: the first member) is the one
+        whose tokens ``max_tokens`` and ``usage_metadata`` count.
+        """
+        if getattr(self, "custom_get_token_ids", None) is not None:
+            return self.custom_get_token_ids(text)  # type: ignore[misc]
+        tokenizer = self._core_ensemble().method.primary.tokenizer
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def get_num_tokens(self, text: str) -> int:
+        return len(self.get_token_ids(text))
+
+    # ------------------------------------------------------------------ tracing
+    def _ensemble_ls_params(self, model_type: str, stop: list[str] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        model = kwargs.get("model")
+        params: dict[str, Any] = {
+            "ls_provider": PROVIDER,
+            "ls_model_name": model if isinstance(model, str) else str(self.model_name),
+            "ls_model_type": model_type,
+        }
+        temperature = kwargs.get("temperature", self.temperature)
+        if isinstance(temperature, (int, float)):
+            params["ls_temperature"] = temperature
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if isinstance(max_tokens, int):
+            params["ls_max_tokens"] = max_tokens
+        stops = stop if stop is not None else self.stop
+        if stops:
+            params["ls_stop"] = list(stops)
+        return params
+
+    @property
+    def _ensemble_identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name, "method": self.method, "method_config": self.method_config,
+            "member_options": self.member_options, "temperature": self.temperature, "max_tokens": self.max_tokens,
+            "top_p": self.top_p, "seed": self.seed, "stop": self.stop,
+        }
+
+
+def _collect_method_options(cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    """Move keyword arguments that are method config fields into ``method_config``.
+
+    ``ChatEnsemble(method="safe", lookahead=4)`` is the same as
+    ``ChatEnsemble(method="safe", method_config={"lookahead": 4})``. Anything that is
+    neither a field of the class nor a config field of the method raises.
+    """
+    known: set[str] = set()
+    for name, info in get_fields(cls).items():
+        known.add(name)
+        if info.alias:
+            known.add(info.alias)
+    extra = {k: v for k, v in data.items() if k not in known}
+    if not extra:
+        return data
+    ensemble = data.get("ensemble")
+    method = ensemble.method_name if isinstance(ensemble, Ensemble) else data.get("method", DEFAULT_METHOD)
+    fields = config_fields(method)
+    unknown = sorted(set(extra) - fields)
+    if unknown:
+        raise ConfigurationError(
+            f"Unknown option(s) {', '.join(unknown)} for {cls.__name__}. Options: {', '.join(sorted(known))}; "
+            f"and the {method!r} config fields: {', '.join(sorted(fields))}."
+        )
+    method_config = dict(data.get("method_config") or {})
+    for key, value in extra.items():
+        if key in method_config and method_config[key] != value:
+            raise ConfigurationError(f"{key!r} is given twice with different values (as a keyword and in method_config).")
+        method_config[key] = value
+    rest = {k: v for k, v in data.items() if k not in extra}
+    return {**rest, "method_config": method_config}
+
+
+def _check_number(option: str, value: Any, minimum: float, strict: bool = False, integer: bool = False) -> None:
+    if value is None:
+        return
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or value < minimum or (strict and value == minimum):
+        kind = "an integer" if integer else "a number"
+        raise InvalidOptionError(option, value, f"{kind} {'>' if strict else '>='} {minimum} (or None)")
