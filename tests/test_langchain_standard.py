@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from langchain_ensemble import ChatEnsemble
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
-
-from langchain_ensemble import ChatEnsemble
 
 pytestmark = pytest.mark.real
 

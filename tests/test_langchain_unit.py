@@ -1,0 +1,302 @@
+"""Fast tests of the LangChain adapter on tiny random-weight members (real tokenizers).
+
+They check the adapter's own logic: option mapping, the shared ensemble cache, message
+conversion, token counting with the primary member's tokenizer, chunk / callback
+accounting, timeouts and typed errors. Generation quality is the real-model tests' job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_ensemble import (
+    ChatEnsemble,
+    EnsembleLLM,
+    GenerationTimeout,
+    ToolMessagesNotSupported,
+    UnsupportedContentError,
+)
+from langchain_ensemble.base import split_model
+from langchain_ensemble.messages import to_core_messages
+from langchain_ensemble.runner import CoreRun
+
+from ensemble_core import ConfigurationError, Ensemble, InputError, InvalidOptionError, normalize_messages
+
+
+class TokenCounter(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token: Any, **kwargs: Any) -> None:
+        self.tokens.append(token)
+
+
+@pytest.fixture
+def pair(tiny_gemma, tiny_llama) -> list:
+    """Gemma first: the tiny Gemma writes visible text, so responses are not empty."""
+    return [tiny_gemma, tiny_llama]
+
+
+@pytest.fixture
+def chat(pair) -> ChatEnsemble:
+    return ChatEnsemble(members=pair, method="single", max_tokens=6)
+
+
+# ---------------------------------------------------------------- construction and cache
+def test_instances_share_one_ensemble_and_rebuild_nothing(pair) -> None:
+    first = ChatEnsemble(members=pair, method="single", max_tokens=6, method_config={"do_sample": False})
+    t0 = time.perf_counter()
+    for _ in range(20):  # a config field given as a keyword is the same config; standard params are per call
+        other = ChatEnsemble(members=pair, method="single", max_tokens=3, temperature=0.5, stop=["x"], top_p=0.9,
+                             do_sample=False)
+    per_instance = (time.perf_counter() - t0) / 20
+    assert other._core_ensemble() is first._core_ensemble()
+    assert per_instance < 0.05, f"building an instance took {per_instance * 1000:.1f} ms: the ensemble was rebuilt"
+    different = ChatEnsemble(members=pair, method="single", method_config={"do_sample": True})
+    assert different._core_ensemble() is not first._core_ensemble()
+    llm = EnsembleLLM(members=pair, method="single", do_sample=False)
+    assert llm._core_ensemble() is first._core_ensemble()
+
+
+def test_prebuilt_ensemble_and_model_name(pair) -> None:
+    ensemble = Ensemble(pair, method="single")
+    chat = ChatEnsemble(ensemble=ensemble)
+    assert chat._core_ensemble() is ensemble and chat.method == "single"
+    assert chat.model_name == "tiny-gemma3-270m-0+tiny-smollm2-135m-instruct-0"
+    with pytest.raises(ConfigurationError, match="either ensemble="):
+        ChatEnsemble(ensemble=ensemble, members=pair)
+    with pytest.raises(ConfigurationError, match="either ensemble="):
+        ChatEnsemble(ensemble=ensemble, method="safe")
+
+
+def test_model_string_names_the_members() -> None:
+    assert split_model("smollm2-135m-instruct+gemma3-270m") == ["smollm2-135m-instruct", "gemma3-270m"]
+    with pytest.raises(InvalidOptionError, match="joined by"):
+        split_model("a++b")
+    with pytest.raises(ConfigurationError, match="names other members"):
+        ChatEnsemble(model="a+b", members=["c", "d"], method="single")
+
+
+def test_extra_keywords_are_method_config_fields(pair) -> None:
+    chat = ChatEnsemble(members=pair, method="single", top_p=0.8, do_sample=False)
+    assert chat.method_config == {"do_sample": False} and chat.top_p == 0.8
+    assert chat._core_ensemble().config.do_sample is False
+    with pytest.raises(ConfigurationError, match="Unknown option.*lookahed"):
+        ChatEnsemble(members=pair, method="single", lookahed=3)
+    with pytest.raises(ConfigurationError, match="given twice"):
+        ChatEnsemble(members=pair, method="single", do_sample=True, method_config={"do_sample": False})
+    with pytest.raises(ConfigurationError, match="method"):
+        ChatEnsemble(members=pair, method="no-such-method")
+
+
+@pytest.mark.parametrize(("option", "value", "match"), [
+    ("temperature", -0.1, "temperature"), ("timeout", 0, "timeout"), ("max_retries", -1, "max_retries"),
+    ("max_tokens", 0, "max_new_tokens"), ("top_p", 1.5, "top_p"), ("stop", [""], "stop"),
+])
+def test_bad_standard_params_raise_typed_errors(pair, option: str, value: Any, match: str) -> None:
+    with pytest.raises(InvalidOptionError, match=match):
+        ChatEnsemble(members=pair, method="single", **{option: value})
+
+
+def test_standard_params_map_onto_core_overrides(pair) -> None:
+    chat = ChatEnsemble(members=pair, method="single", temperature=0, max_tokens=7, stop=["a"], seed=3,
+                        timeout=5, max_retries=2, api_key="unused")
+    assert chat._generation_overrides({}, None) == {"do_sample": False, "max_new_tokens": 7, "seed": 3, "stop": ("a",)}
+    # call values win; a call-level stop replaces the instance's (as in ChatOpenAI)
+    assert chat._generation_overrides({"temperature": 0.7, "max_tokens": 2}, ["b", "b"]) == {
+        "do_sample": True, "temperature": 0.7, "max_new_tokens": 2, "seed": 3, "stop": ("b",)}
+    assert ChatEnsemble(members=pair, method="single")._generation_overrides({}, None) == {}  # None → method defaults
+    run, ensemble, name = chat._prepare("hi", None, {"top_p": 0.5, "stream": True})
+    assert run.overrides["top_p"] == 0.5 and run.timeout == 5 and name == chat.model_name
+    with pytest.raises(ConfigurationError, match="Unknown keyword argument.*tools"):
+        chat._prepare("hi", None, {"tools": []})
+
+
+def test_ls_params_and_profile(chat) -> None:
+    params = chat._get_ls_params(stop=["z"], temperature=0.3)
+    assert params == {"ls_provider": "ensemble", "ls_model_name": chat.model_name, "ls_model_type": "chat",
+                      "ls_temperature": 0.3, "ls_max_tokens": 6, "ls_stop": ["z"]}
+    assert chat._get_ls_params(model="x+y")["ls_model_name"] == "x+y"
+    llm = EnsembleLLM(members=chat.members, method="single")
+    assert llm._get_ls_params()["ls_model_type"] == "llm"
+    assert chat.profile["max_input_tokens"] == chat._core_ensemble().context_window == 4096
+    assert chat.profile["tool_calling"] is False
+
+
+# ---------------------------------------------------------------- messages
+def test_message_conversion_and_merging() -> None:
+    messages = [
+        SystemMessage("s1"), SystemMessage("s2"), HumanMessage("h1", name="ann"),
+        HumanMessage([{"type": "text", "text": "h"}, "2"]), ChatMessage(role="ai", content="a1"),
+        AIMessage([{"type": "reasoning", "reasoning": "hidden"}, {"type": "text", "text": "a2"}]), HumanMessage("h3"),
+    ]
+    core = to_core_messages(messages)
+    assert [m["role"] for m in core] == ["system", "system", "user", "user", "assistant", "assistant", "user"]
+    assert core[3]["content"] == "h2" and core[5]["content"] == "a2"  # reasoning is not replayed
+    merged = normalize_messages(core)
+    assert merged == [{"role": "system", "content": "s1\n\ns2"}, {"role": "user", "content": "h1\n\nh2"},
+                      {"role": "assistant", "content": "a1\n\na2"}, {"role": "user", "content": "h3"}]
+
+
+@pytest.mark.parametrize("message", [
+    ToolMessage("3", tool_call_id="1"),
+    FunctionMessage(name="f", content="3"),
+    AIMessage("", tool_calls=[{"name": "f", "args": {}, "id": "1", "type": "tool_call"}]),
+])
+def test_tool_messages_are_rejected(chat, message) -> None:
+    with pytest.raises(ToolMessagesNotSupported, match="tool calling"):
+        chat.invoke([HumanMessage("hi"), message])
+
+
+def test_non_text_content_and_bad_roles_are_rejected(chat) -> None:
+    image = HumanMessage([{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
+    with pytest.raises(UnsupportedContentError, match="'image'"):
+        chat.invoke([image])
+    with pytest.raises(InputError, match="role 'critic'"):
+        chat.invoke([ChatMessage(role="critic", content="x")])
+    with pytest.raises(InputError, match="No messages"):
+        chat.invoke([])
+
+
+# ---------------------------------------------------------------- tokens
+def test_tokens_are_counted_with_the_primary_members_tokenizer(tiny_gemma, tiny_llama) -> None:
+    gemma_first = ChatEnsemble(members=[tiny_gemma, tiny_llama], method="single")
+    llama_first = ChatEnsemble(members=[tiny_llama, tiny_gemma], method="single")
+    # " Incorrect": one Gemma token, two SmolLM2 tokens (GPT-2's fallback would not match either id)
+    assert gemma_first.get_token_ids(" Incorrect") == tiny_gemma.tokenizer(" Incorrect", add_special_tokens=False)["input_ids"]
+    assert gemma_first.get_num_tokens(" Incorrect") == 1
+    assert llama_first.get_num_tokens(" Incorrect") == 2
+    custom = ChatEnsemble(members=[tiny_gemma], method="single", custom_get_token_ids=lambda s: [1] * len(s))
+    assert custom.get_num_tokens("abc") == 3
+
+
+def test_message_token_count_equals_usage_input_tokens(chat) -> None:
+    messages = [SystemMessage("Be brief."), SystemMessage("Be kind."), HumanMessage("Hi"), HumanMessage("there")]
+    result = chat.invoke(messages)
+    assert result.usage_metadata["input_tokens"] == chat.get_num_tokens_from_messages(messages)
+    assert result.usage_metadata["output_tokens"] == chat.get_num_tokens(result.content)
+    assert result.usage_metadata["total_tokens"] == result.usage_metadata["input_tokens"] + result.usage_metadata["output_tokens"]
+
+
+# ---------------------------------------------------------------- results, chunks, callbacks
+def test_invoke_metadata(chat) -> None:
+    result = chat.invoke("Hello", max_tokens=4)
+    meta = result.response_metadata
+    assert result.content and meta["model_name"] == chat.model_name
+    assert meta["finish_reason"] == "length" and meta["stop_reason"] == "length"
+    assert meta["method"] == "single" and meta["token_counter"] == "tiny-gemma3-270m-0"
+    assert meta["stats"]["tokens"] == 4 and result.usage_metadata["output_tokens"] <= 4
+    json.dumps(meta)  # the core stats stay JSON-serialisable through the adapter
+
+
+def test_stream_chunks_callbacks_and_usage_once(chat) -> None:
+    counter = TokenCounter()
+    chunks = list(chat.stream("Hello", config={"callbacks": [counter]}))
+    assert len(chunks) >= 2 and all(isinstance(c, AIMessageChunk) for c in chunks)
+    assert counter.tokens == [c.content for c in chunks]  # exactly one callback per chunk, in order
+    with_usage = [c for c in chunks if c.usage_metadata]
+    assert with_usage == [chunks[-1]] and chunks[-1].chunk_position == "last"
+    assert sum(1 for c in chunks if c.response_metadata.get("model_name")) == 1
+    assert "".join(c.content for c in chunks) == chat.invoke("Hello").content  # greedy: same text
+
+
+def test_streaming_flag_routes_invoke_through_stream(pair) -> None:
+    counter = TokenCounter()
+    chat = ChatEnsemble(members=pair, method="single", max_tokens=5, streaming=True)
+    result = chat.invoke("Hello", config={"callbacks": [counter]})
+    assert "".join(counter.tokens) == result.content and len(counter.tokens) >= 2
+    assert result.usage_metadata["output_tokens"] > 0
+
+
+async def test_async_paths_match_sync(chat) -> None:
+    expected = chat.invoke("Hello").content
+    assert (await chat.ainvoke("Hello")).content == expected
+    counter = TokenCounter()
+    chunks = [c async for c in chat.astream("Hello", config={"callbacks": [counter]})]
+    assert "".join(c.content for c in chunks) == expected and counter.tokens == [c.content for c in chunks]
+    assert [c for c in chunks if c.usage_metadata] == [chunks[-1]]
+
+
+def test_llm_invoke_stream_batch_with_callbacks(pair) -> None:
+    llm = EnsembleLLM(members=pair, method="single", max_tokens=5)
+    counter = TokenCounter()
+    text = llm.invoke("Hello", config={"callbacks": [counter]})
+    assert text and counter.tokens == []  # no streaming: no token callbacks
+    pieces = list(llm.stream("Hello", config={"callbacks": [counter]}))
+    assert "".join(pieces) == text and counter.tokens == pieces  # BaseLLM.stream: _stream reports each chunk
+    result = llm.generate(["Hello", "Bye"])
+    assert [g[0].text for g in result.generations][0] == text
+    usage = result.llm_output["token_usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+    assert result.generations[0][0].generation_info["usage_metadata"]["output_tokens"] > 0
+
+
+# ---------------------------------------------------------------- timeout and cancellation
+def test_timeout_stops_the_core_and_raises(tiny_gemma) -> None:
+    chat = ChatEnsemble(members=[tiny_gemma], method="single", max_tokens=3000, timeout=0.2)
+    t0 = time.perf_counter()
+    with pytest.raises(GenerationTimeout, match="timeout=0.2"):
+        chat.invoke("Tell me a long story")
+    assert time.perf_counter() - t0 < 2.0
+    chunks: list[str] = []
+    with pytest.raises(TimeoutError):  # GenerationTimeout is a TimeoutError too
+        for chunk in chat.stream("Tell me a long story"):
+            chunks.append(chunk.content)
+    assert chunks, "text committed before the deadline is still streamed"
+
+
+def test_leaving_a_stream_early_cancels_the_core_stream(chat, monkeypatch) -> None:
+    runs: list[CoreRun] = []
+    original = CoreRun.__iter__
+    monkeypatch.setattr(CoreRun, "__iter__", lambda self: runs.append(self) or original(self))
+    stream = chat.stream("Hello", max_tokens=50)
+    next(stream)
+    stream.close()
+    assert runs[0].cancel_event.is_set()
+    assert chat.invoke("Hello").content  # the ensemble's lock was released
+
+
+async def test_cancelled_task_cancels_generation(tiny_gemma) -> None:
+    chat = ChatEnsemble(members=[tiny_gemma], method="single", max_tokens=3000)
+    runs: list[CoreRun] = []
+    original = CoreRun.astream
+    first_chunk = asyncio.Event()
+
+    def record(self):
+        runs.append(self)
+        return original(self)
+
+    async def consume() -> None:
+        async for _ in chat.astream("Tell me a long story"):
+            first_chunk.set()
+
+    CoreRun.astream = record
+    try:
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(first_chunk.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        CoreRun.astream = original
+    run = runs[0]
+    for _ in range(200):  # the worker finishes its current round, then stops
+        if run.result is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert run.result is not None and run.result.finish_reason == "cancelled"
+    assert run.result.stats["tokens"] < 3000
