@@ -1,0 +1,331 @@
+"""Verify in line: score many candidate continuations of one context in ONE forward pass.
+
+SpecEM asks every verifier to score K candidate segments after the same context. Run
+naively that is K forward passes (or K re-runs of the whole context). Packing the
+candidates behind the context and hiding them from each other with a 4-D additive mask
+costs one pass over ``sum(len(c_i))`` new tokens, reusing the member's KV cache for the
+context:
+
+* the packed tokens of candidate ``i`` see the cached context and the earlier tokens of
+  candidate ``i`` only (causal inside the candidate, blind to the others);
+* their position ids restart at the context length ``P`` for every candidate, so each
+  candidate is encoded exactly as if it were alone;
+* the first token of every candidate is predicted by the context's last row, which the
+  :class:`~ensemble_core.members.DecodeState` already holds (the row just before a
+  candidate in the packed sequence belongs to the previous candidate);
+* afterwards the packed tokens are removed from the cache so that the state is exactly
+  what it was (:func:`cache_branch`).
+
+Sliding-window layers (Gemma-3: window 512, five of every six layers). transformers
+returns a custom 4-D mask unchanged for *every* layer type, so the window is no longer
+applied by the model. We therefore build one mask per layer type, sized with
+``cache.get_mask_sizes`` for a layer of that type (a sliding layer only exposes the last
+``window - 1`` cached states plus the new ones), add the window constraint
+``q_pos - k_pos < window`` ourselves, and hand models with several layer types the
+``{layer_type: mask}`` mapping their forward accepts. This keeps scores exact for
+contexts longer than the window (tested).
+
+Only attention implementations that add the mask to the attention scores honour it
+(``sdpa`` and ``eager``); FlashAttention ignores a custom float mask and would silently
+let candidates see each other, so it is refused with :class:`UnsupportedAttentionError`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .errors import ConfigurationError, InputError
+from .members import DecodeState, Member
+
+#: Attention implementations that add a custom 4-D float mask to the scores.
+MASK_HONOURING_ATTENTION = ("sdpa", "eager")
+#: Layer types whose masks we know how to build (full causal, causal + sliding window).
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+#: Upper bound on the logits materialised by one packed pass (float32 bytes); longer
+#: candidate lists are split over several passes (generate-then-select scores whole answers).
+MAX_LOGIT_BYTES = 2**28
+
+SCORING_KINDS = ("logprob", "logit")
+
+
+class UnsupportedAttentionError(ConfigurationError):
+    """A verifier's attention implementation would ignore the verify-in-line mask."""
+
+    def __init__(self, member: str, implementation: str) -> None:
+        self.member, self.implementation = member, implementation
+        super().__init__(
+            f"Member {member!r} uses attn_implementation={implementation!r}, which ignores the custom 4-D "
+            "attention mask that verify-in-line needs (candidates would see each other). Load it with "
+            "attn_implementation='sdpa' (or 'eager'), e.g. MemberSpec(source, attn_implementation='sdpa'), "
+            "or do not use it as a verifier."
+        )
+
+
+class UnsupportedModelError(ConfigurationError):
+    """A model whose attention layout verify-in-line cannot mask exactly."""
+
+
+def _text_config(model: Any) -> Any:
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def layer_types(model: Any) -> list[str]:
+    """Attention type of every decoder layer (``full_attention`` when the config says nothing)."""
+    cfg = _text_config(model)
+    types = getattr(cfg, "layer_types", None)
+    if not types:
+        n = int(getattr(cfg, "num_hidden_layers", 1))
+        kind = "sliding_attention" if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False) \
+            else "full_attention"
+        types = [kind] * n
+    return list(types)
+
+
+def check_verifier(member: Member) -> None:
+    """Raise unless ``member``'s model honours custom 4-D masks and has a layout we can mask."""
+    impl = getattr(member.model.config, "_attn_implementation", None) or "eager"
+    if impl not in MASK_HONOURING_ATTENTION:
+        raise UnsupportedAttentionError(member.name, impl)
+    unknown = sorted(set(layer_types(member.model)) - set(SUPPORTED_LAYER_TYPES))
+    if unknown:
+        raise UnsupportedModelError(
+            f"Member {member.name!r} has attention layers of type {', '.join(unknown)}; verify-in-line can mask "
+            f"only {', '.join(SUPPORTED_LAYER_TYPES)}. Use it as a drafter only (verifiers=[...])."
+        )
+
+
+# ----------------------------------------------------------------------------- cache branches
+def _layers(cache: Any) -> list[Any]:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise UnsupportedModelError(f"Cannot branch a {type(cache).__name__}: only layered DynamicCache is supported.")
+    return list(layers)
+
+
+@contextmanager
+def cache_branch(state: DecodeState) -> Iterator[None]:
+    """Run forward passes on ``state``'s cache, then remove whatever they appended.
+
+    The restore is exact: full-attention layers and sliding layers with past recording
+    (every :class:`DecodeState` cache has it) only *concatenate* on update, so slicing
+    each layer back to its recorded length gives back the very tensors it held before;
+    ``DecodeState``'s own bookkeeping (``cached``, its cropping allowance) stays valid.
+    Unlike ``cache.crop`` this never trims a sliding layer, which would silently cost the
+    state its ability to roll back later.
+    """
+    if state.cached != len(state.ids):
+        raise InputError("cache_branch needs a state without pending ids; call state.score() first.")
+    marks = []
+    for layer in _layers(state.cache):
+        if getattr(layer, "is_sliding", False) and not getattr(layer, "record_past", True):
+            raise UnsupportedModelError("A sliding-window cache layer without past recording cannot be branched exactly.")
+        keys = getattr(layer, "keys", None)
+        length = keys.shape[-2] if getattr(layer, "is_initialized", False) and keys is not None else None
+        marks.append((layer, length, getattr(layer, "cumulative_length", None)))
+    try:
+        yield
+    finally:
+        for layer, length, cumulative in marks:
+            if length is not None:
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+            if cumulative is not None:
+                layer.cumulative_length = cumulative
+
+
+def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """One forward pass of ``ids`` on the state's cache (inside a branch); float32 logits rows."""
+    t0 = time.perf_counter()
+    member = state.member
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=member.device)
+    out = member.model(input_ids=input_ids, cache=state.cache, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+    rows = out.logits[0].float()
+    state.stats.forward_passes += 1
+    state.stats.tokens_fed += len(ids)
+    state.stats.seconds += time.perf_counter() - t0
+    return rows
+
+
+@torch.inference_mode()
+def branch_step(state: DecodeState, token: int) -> torch.Tensor:
+    """Next-token logits after appending ``token`` on a branch (the caller rewinds the branch)."""
+    return _forward(state, [token], 1)[-1]
+
+
+# ----------------------------------------------------------------------------- masks
+def _window(state: DecodeState, layer_idx: int) -> int:
+    layer = state.cache.layers[layer_idx] if layer_idx < len(state.cache.layers) else None
+    window = getattr(layer, "sliding_window", None) or getattr(_text_config(state.member.model), "sliding_window", None)
+    if not window:
+        raise UnsupportedModelError(f"Member {state.member.name!r} has sliding layers but no sliding_window size.")
+    return int(window)
+
+
+def packed_masks(state: DecodeState, lengths: Sequence[int]) -> tuple[Any, torch.Tensor]:
+    """Attention mask(s) and position ids for candidates of ``lengths`` packed after the cached context.
+
+    Returns ``(mask, position_ids)``: ``mask`` is one ``[1, 1, N, kv]`` additive float
+    tensor, or a ``{layer_type: mask}`` mapping for models that mix layer types.
+    """
+    model, device = state.member.model, state.member.device
+    dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+    n = int(sum(lengths))
+    context = state.cache.get_seq_length()
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                  torch.tensor(list(lengths), device=device))
+    offsets = torch.cat([torch.arange(k, device=device) for k in lengths])
+    q_pos = context + offsets  # positions restart at the context length for every candidate
+    idx = torch.arange(n, device=device)
+    own = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+    types = layer_types(model)
+    masks: dict[str, torch.Tensor] = {}
+    for kind in dict.fromkeys(types):
+        layer_idx = types.index(kind)
+        kv_length, kv_offset = state.cache.get_mask_sizes(n, layer_idx)
+        visible = kv_length - n  # cached states this layer type attends to
+        k_pos = kv_offset + torch.arange(visible, device=device)
+        ctx_ok = torch.ones(n, visible, dtype=torch.bool, device=device)
+        new_ok = own
+        if kind == "sliding_attention":
+            window = _window(state, layer_idx)
+            ctx_ok = (q_pos[:, None] - k_pos[None, :]) < window
+            new_ok = own & ((q_pos[:, None] - q_pos[None, :]) < window)
+        elif visible != context:
+            raise UnsupportedModelError(f"Layer type {kind!r} exposes {visible} of {context} cached states.")
+        allowed = torch.cat([ctx_ok, new_ok], dim=1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        masks[kind] = mask[None, None]
+    mask_arg: Any = masks[types[0]] if len(masks) == 1 else masks
+    return mask_arg, q_pos[None]
+
+
+# ----------------------------------------------------------------------------- scoring
+def _token_values(rows: torch.Tensor, targets: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "logprob":
+        return torch.log_softmax(rows, dim=-1).gather(-1, targets[:, None])[:, 0]
+    return rows.gather(-1, targets[:, None])[:, 0]
+
+
+def _end_value(row: torch.Tensor, eos_ids: Sequence[int], kind: str) -> torch.Tensor:
+    """Score of "the text ends here": log of the total EOS probability (or the best EOS logit)."""
+    ids = torch.tensor(sorted(eos_ids), dtype=torch.long, device=row.device)
+    if kind == "logprob":
+        return torch.logsumexp(torch.log_softmax(row, dim=-1)[ids], dim=0)[None]
+    return row[ids].max()[None]
+
+
+def _check_candidates(state: DecodeState, candidates: Sequence[Sequence[int]], terminal: Sequence[bool] | None,
+                      kind: str) -> list[bool]:
+    if kind not in SCORING_KINDS:
+        raise InputError(f"Unknown scoring kind {kind!r}; use one of {', '.join(SCORING_KINDS)}.")
+    if not candidates:
+        raise InputError("score_candidates needs at least one candidate.")
+    vocab = state.member.vocab_size
+    for c in candidates:
+        if any(not 0 <= int(t) < vocab for t in c):
+            raise InputError(f"A candidate holds token ids outside member {state.member.name!r}'s vocabulary ({vocab}).")
+    ends = [False] * len(candidates) if terminal is None else [bool(t) for t in terminal]
+    if len(ends) != len(candidates):
+        raise InputError("terminal must have one flag per candidate.")
+    if any(ends) and not state.member.eos_token_ids:
+        raise InputError(f"Member {state.member.name!r} has no EOS token to score a finished candidate with.")
+    return ends
+
+
+def _groups(lengths: Sequence[int], ends: Sequence[bool], vocab: int) -> list[list[int]]:
+    """Candidate indices per packed pass, keeping the logits of one pass under MAX_LOGIT_BYTES."""
+    max_rows = max(32, MAX_LOGIT_BYTES // (4 * max(vocab, 1)))
+    groups: list[list[int]] = [[]]
+    rows = 0
+    for i, (n, end) in enumerate(zip(lengths, ends)):
+        need = max(n - 1, 0) + (1 if end and n else 0)
+        if groups[-1] and rows + need > max_rows:
+            groups.append([])
+            rows = 0
+        groups[-1].append(i)
+        rows += need
+    return groups
+
+
+@torch.inference_mode()
+def score_candidates_inline(state: DecodeState, candidates: Sequence[Sequence[int]], kind: str = "logprob",
+                            terminal: Sequence[bool] | None = None) -> list[torch.Tensor]:
+    """Per-token scores of each candidate continuation of ``state``'s ids, in one packed pass.
+
+    ``candidates[i]`` are token ids of this member; ``terminal[i]`` adds one more value,
+    the score of ending right after the candidate (log of the total EOS probability for
+    ``kind="logprob"``, the best EOS logit for ``"logit"``). Returns one 1-D float tensor
+    per candidate (empty for an empty, non-terminal candidate). The state's ids and cache
+    are unchanged afterwards (pending ids, if any, are committed first).
+    """
+    ends = _check_candidates(state, candidates, terminal, kind)
+    row0 = state.score()[-1]  # the context's last row: predicts every candidate's first token
+    eos = sorted(state.member.eos_token_ids)
+    lengths = [len(c) for c in candidates]
+    result: list[torch.Tensor | None] = [None] * len(candidates)
+    for group in _groups(lengths, ends, state.member.vocab_size):
+        live = [i for i in group if lengths[i] > 0]
+        keep: list[int] = []  # packed positions whose logits are needed
+        starts: dict[int, int] = {}
+        pos = 0
+        for i in live:
+            starts[i] = pos
+            keep.extend(range(pos, pos + lengths[i] - 1))
+            if ends[i]:
+                keep.append(pos + lengths[i] - 1)
+            pos += lengths[i]
+        rows_at: dict[int, torch.Tensor] = {}
+        if keep:
+            with cache_branch(state):
+                mask, positions = packed_masks(state, [lengths[i] for i in live])
+                packed = [int(t) for i in live for t in candidates[i]]
+                index = torch.tensor(keep, dtype=torch.long, device=state.member.device)
+                out = _forward(state, packed, index, attention_mask=mask, position_ids=positions)
+            rows_at = {p: out[j] for j, p in enumerate(keep)}
+        for i in group:
+            n = lengths[i]
+            preds = [row0] + [rows_at[starts[i] + j] for j in range(n - 1)] if n else []
+            values = []
+            if n:
+                targets = torch.tensor([int(t) for t in candidates[i]], dtype=torch.long, device=row0.device)
+                values.append(_token_values(torch.stack(preds), targets, kind))
+            if ends[i]:
+                last = rows_at[starts[i] + n - 1] if n else row0
+                values.append(_end_value(last, eos, kind))
+            result[i] = torch.cat(values) if values else row0.new_zeros(0)
+    return [r for r in result if r is not None]
+
+
+@torch.inference_mode()
+def score_candidates_separately(state: DecodeState, candidates: Sequence[Sequence[int]], kind: str = "logprob",
+                                terminal: Sequence[bool] | None = None) -> list[torch.Tensor]:
+    """The same scores as :func:`score_candidates_inline`, one forward pass per candidate.
+
+    The reference (and the baseline it is timed against): each candidate is run alone
+    behind the cached context with the model's own causal mask, then removed again.
+    """
+    ends = _check_candidates(state, candidates, terminal, kind)
+    row0 = state.score()[-1]
+    eos = sorted(state.member.eos_token_ids)
+    result = []
+    for cand, end in zip(candidates, ends):
+        ids = [int(t) for t in cand]
+        rows = row0[None]
+        if ids and (len(ids) > 1 or end):
+            with cache_branch(state):
+                out = _forward(state, ids if end else ids[:-1], len(ids) if end else len(ids) - 1)
+            rows = torch.cat([row0[None], out], dim=0)
+        values = []
+        if ids:
+            targets = torch.tensor(ids, dtype=torch.long, device=row0.device)
+            values.append(_token_values(rows[: len(ids)], targets, kind))
+        if end:
+            values.append(_end_value(rows[len(ids)], eos, kind))
+        result.append(torch.cat(values) if values else row0.new_zeros(0))
+    return result
