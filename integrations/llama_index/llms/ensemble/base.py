@@ -5,17 +5,17 @@ the sync / async / streaming plumbing. All generation logic (SAFE, SpecEM, the
 baselines, stop strings, cancellation, token counting) lives in
 :class:`ensemble_core.Ensemble`, which the LangChain adapter wraps too.
 
-Threading: the core's generation is a blocking iterator (one method round per step).
-The async methods run it in a worker thread, one step at a time, so the event loop keeps
+Threading (see :mod:`.runs`): the core's generation is a blocking iterator (one method
+round per step). The async methods run it in a worker thread, so the event loop keeps
 serving other tasks; cancelling the awaiting task sets the core stream's cancel event and
 the worker stops after the round it is in.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
+from contextlib import aclosing
 from typing import Any, Dict, List
 
 from llama_index.core.base.llms.types import (
@@ -33,10 +33,11 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_serialize
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationStream, InvalidOptionError, Member
+from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, Member
 from ensemble_core.chat import Prompt
 
 from .messages import extra_kwargs, raw_payload, to_core_messages
+from .runs import Run
 from .shared import shared_ensemble
 
 #: Options that are EnsembleLLM fields; method_config must not set them a second time.
@@ -55,38 +56,6 @@ def default_context_margin(window: int) -> int:
     the window covers up to 1.14x, plus room for the chat template's own tokens.
     """
     return window // 8 + TEMPLATE_MARGIN
-
-
-def _drain(stream: GenerationStream) -> Any:
-    for _ in stream:
-        pass
-    return stream.result
-
-
-async def _in_thread(stream: GenerationStream) -> Any:
-    """Run a whole generation in a worker thread; cancellation stops the core loop."""
-    try:
-        return await asyncio.to_thread(_drain, stream)
-    except asyncio.CancelledError:
-        stream.cancel()
-        raise
-
-
-async def _deltas_in_thread(stream: GenerationStream) -> AsyncIterator[str]:
-    """The stream's text deltas, each step computed in a worker thread.
-
-    Leaving early (``aclose``, an exception in the consumer, task cancellation) cancels
-    the core stream, so no thread keeps decoding for nobody.
-    """
-    end = object()
-    try:
-        while True:
-            delta = await asyncio.to_thread(next, stream, end)
-            if delta is end:
-                return
-            yield delta
-    finally:
-        stream.cancel()
 
 
 class EnsembleLLM(LLM):
@@ -190,107 +159,97 @@ class EnsembleLLM(LLM):
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
         return prompt if formatted else self.completion_to_prompt(prompt)
 
-    def _stream(self, prompt: Prompt, kwargs: Dict[str, Any]) -> GenerationStream:
-        return self._ensemble.stream(prompt, **self._overrides(kwargs))
+    def _run(self, prompt: Prompt, kwargs: Dict[str, Any]) -> Run:
+        return Run(self._ensemble, prompt, self._overrides(kwargs))
 
     # ------------------------------------------------------------------ responses
-    def _completion(self, result: Any) -> CompletionResponse:
-        return CompletionResponse(text=result.text, raw=raw_payload(result, self._ensemble.name),
-                                  additional_kwargs=extra_kwargs(result))
+    def _completion(self, result: GenerationResult, text: str | None = None, delta: str | None = None) -> CompletionResponse:
+        return CompletionResponse(text=result.text if text is None else text, delta=delta,
+                                  raw=raw_payload(result, self._ensemble.name), additional_kwargs=extra_kwargs(result))
 
-    def _chat_response(self, result: Any) -> ChatResponse:
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
+    def _chat_response(self, result: GenerationResult, text: str | None = None, delta: str | None = None) -> ChatResponse:
+        content = result.text if text is None else text
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content), delta=delta,
                             raw=raw_payload(result, self._ensemble.name), additional_kwargs=extra_kwargs(result))
+
+    # A stream ends with a chunk that adds no text and carries the usage and statistics
+    # (as OpenAI's final stream chunk does): callbacks and token counters read the last
+    # response of a stream, and the usage is only known once the stream is exhausted.
 
     # ------------------------------------------------------------------ sync
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._completion(_drain(self._stream(self._completion_prompt(prompt, formatted), kwargs)))
+        return self._completion(self._run(self._completion_prompt(prompt, formatted), kwargs).run())
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        stream = self._stream(self._completion_prompt(prompt, formatted), kwargs)
+        run = self._run(self._completion_prompt(prompt, formatted), kwargs)
 
         def gen() -> CompletionResponseGen:
             text = ""
             try:
-                for delta in stream:
+                for delta in run:
                     text += delta
                     yield CompletionResponse(text=text, delta=delta)
             finally:
-                stream.cancel()
-            # A closing chunk with no new text carries the usage and stats, as OpenAI's
-            # final stream chunk does; callbacks read the last response of a stream.
-            yield CompletionResponse(text=text, delta="", raw=raw_payload(stream.result, self._ensemble.name),
-                                     additional_kwargs=extra_kwargs(stream.result))
+                run.close()
+            yield self._completion(run.result, text, "")
 
         return gen()
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat_response(_drain(self._stream(to_core_messages(messages), kwargs)))
+        return self._chat_response(self._run(to_core_messages(messages), kwargs).run())
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        stream = self._stream(to_core_messages(messages), kwargs)
+        run = self._run(to_core_messages(messages), kwargs)
 
         def gen() -> ChatResponseGen:
             text = ""
             try:
-                for delta in stream:
+                for delta in run:
                     text += delta
                     yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
             finally:
-                stream.cancel()
-            yield self._final_chat_chunk(text, stream)
+                run.close()
+            yield self._chat_response(run.result, text, "")
 
         return gen()
-
-    def _final_chat_chunk(self, text: str, stream: GenerationStream) -> ChatResponse:
-        result = stream.result
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
-                            raw=raw_payload(result, self._ensemble.name), additional_kwargs=extra_kwargs(result))
 
     # ------------------------------------------------------------------ async
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        stream = self._stream(self._completion_prompt(prompt, formatted), kwargs)
-        return self._completion(await _in_thread(stream))
+        return self._completion(await self._run(self._completion_prompt(prompt, formatted), kwargs).arun())
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        stream = self._stream(self._completion_prompt(prompt, formatted), kwargs)
+        run = self._run(self._completion_prompt(prompt, formatted), kwargs)
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
-            try:
-                async for delta in _deltas_in_thread(stream):
+            async with aclosing(run.adeltas()) as deltas:
+                async for delta in deltas:
                     text += delta
                     yield CompletionResponse(text=text, delta=delta)
-            finally:
-                stream.cancel()
-            yield CompletionResponse(text=text, delta="", raw=raw_payload(stream.result, self._ensemble.name),
-                                     additional_kwargs=extra_kwargs(stream.result))
+            yield self._completion(run.result, text, "")
 
         return gen()
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        stream = self._stream(to_core_messages(messages), kwargs)
-        return self._chat_response(await _in_thread(stream))
+        return self._chat_response(await self._run(to_core_messages(messages), kwargs).arun())
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        stream = self._stream(to_core_messages(messages), kwargs)
+        run = self._run(to_core_messages(messages), kwargs)
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
-            try:
-                async for delta in _deltas_in_thread(stream):
+            async with aclosing(run.adeltas()) as deltas:
+                async for delta in deltas:
                     text += delta
                     yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
-            finally:
-                stream.cancel()
-            yield self._final_chat_chunk(text, stream)
+            yield self._chat_response(run.result, text, "")
 
         return gen()

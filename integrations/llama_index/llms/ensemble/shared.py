@@ -7,12 +7,15 @@ a method may precompute per-member-set tables at construction (vocabulary maps, 
 instance), and LlamaIndex copies LLM objects freely (``model_copy``, settings, agents), so
 identical configurations reuse one ``Ensemble`` instead of rebuilding it. An ``Ensemble``
 holds no per-request state (each request owns its decoding states), so sharing it between
-LLM objects and concurrent requests is safe.
+LLM objects is safe. Generations on one ``Ensemble`` are serialised by :func:`lock_for`:
+a method object is not required to be re-entrant, and parallel requests would only
+compete for the same cores (or GPU) anyway.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +23,7 @@ from ensemble_core import Ensemble, Member, MemberSpec
 
 _LOCK = threading.Lock()
 _ENSEMBLES: dict[tuple, Ensemble] = {}
+_LOCKS: weakref.WeakKeyDictionary[Ensemble, threading.Lock] = weakref.WeakKeyDictionary()
 
 
 def _canonical(value: Any) -> Any:
@@ -63,6 +67,15 @@ def shared_ensemble(members: Sequence[Any], method: str, member_options: Mapping
             ensemble = Ensemble(list(members), method=method, member_options=dict(member_options), **dict(method_config))
             _ENSEMBLES[key] = ensemble
         return ensemble
+
+
+def lock_for(ensemble: Ensemble) -> threading.Lock:
+    """The lock that serialises generations on ``ensemble`` (lives as long as the ensemble)."""
+    with _LOCK:
+        lock = _LOCKS.get(ensemble)
+        if lock is None:
+            lock = _LOCKS[ensemble] = threading.Lock()
+        return lock
 
 
 def clear_shared() -> None:

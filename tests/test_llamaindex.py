@@ -1,0 +1,284 @@
+"""The LlamaIndex adapter: ``from llama_index.llms.ensemble import EnsembleLLM``.
+
+Fast tests use tiny random-weight members (real tokenizers) for everything that does not
+need sensible text: packaging, message conversion, options, metadata, caching. Tests
+marked ``real`` run the bundled pair through the adapter: complete / chat / streams /
+async (the event loop keeps running, cancellation stops the core), stop strings and the
+usage that ``TokenCountingHandler`` reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import llama_index.core
+import llama_index.llms.ensemble as pkg
+import pytest
+from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
+from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+from llama_index.llms.ensemble import EnsembleLLM, default_context_margin, shared_ensemble
+from llama_index.llms.ensemble.messages import to_core_messages
+
+from ensemble_core import ConfigurationError, GenerationCancelled, InputError, InvalidOptionError, Member
+
+REPO = Path(__file__).resolve().parents[1]
+PAIR = ["smollm2-135m-instruct", "gemma3-270m"]
+#: The method the real tests run (SAFE is the issue's target; see the report if it differs).
+METHOD = "single"
+PROMPT = "List three colours of the rainbow."
+MAX_NEW = 20
+
+
+# --------------------------------------------------------------------------- packaging
+def test_import_through_implicit_namespace_package() -> None:
+    assert Path(pkg.__file__).resolve().parent == REPO / "integrations" / "llama_index" / "llms" / "ensemble"
+    for folder in ("integrations/llama_index", "integrations/llama_index/llms"):
+        assert not (REPO / folder / "__init__.py").exists(), f"{folder} must stay an implicit namespace package"
+    assert "site-packages" in llama_index.core.__file__  # llama_index.core still comes from the install
+    assert EnsembleLLM.class_name() == "EnsembleLLM"
+
+
+# --------------------------------------------------------------------------- messages
+def test_messages_keep_their_turns_and_roles() -> None:
+    messages = [
+        ChatMessage(role=MessageRole.DEVELOPER, content="Be brief."),
+        ChatMessage(role=MessageRole.USER, content="What is 2+2?"),
+        ChatMessage(role=MessageRole.ASSISTANT, content="4"),
+        ChatMessage(role=MessageRole.TOOL, content="42", additional_kwargs={"name": "calc"}),
+        ChatMessage(role=MessageRole.MODEL, content="ok"),
+    ]
+    assert to_core_messages(messages) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "Tool result (calc): 42"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    two_blocks = ChatMessage(role="user", blocks=[TextBlock(text="a"), TextBlock(text="b")])
+    assert to_core_messages([two_blocks]) == [{"role": "user", "content": "a\nb"}]
+
+
+def test_non_text_content_and_empty_input_are_refused() -> None:
+    image = ChatMessage(role="user", blocks=[TextBlock(text="What is this?"), ImageBlock(url="http://x/y.png")])
+    with pytest.raises(InputError, match="'image' block"):
+        to_core_messages([image])
+    with pytest.raises(InputError, match="No messages"):
+        to_core_messages([])
+
+
+# --------------------------------------------------------------------------- options (tiny members)
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama: Member, tiny_gemma: Member) -> EnsembleLLM:
+    return EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", max_new_tokens=4)
+
+
+def test_metadata_names_members_and_method(tiny_llm: EnsembleLLM, tiny_llama: Member, tiny_gemma: Member) -> None:
+    meta = tiny_llm.metadata
+    window = min(tiny_llama.context_window, tiny_gemma.context_window)
+    assert meta.context_window == window - default_context_margin(window)
+    assert meta.num_output == 4 and meta.is_chat_model and not meta.is_function_calling_model
+    assert meta.model_name == f"single({tiny_llama.name}+{tiny_gemma.name})"
+    assert tiny_llm.to_dict()["members"] == [tiny_llama.name, tiny_gemma.name]
+    custom = EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", context_margin=100)
+    assert custom.metadata.context_window == window - 100
+
+
+def test_identical_configurations_share_one_ensemble(tiny_llm: EnsembleLLM, tiny_llama: Member,
+                                                     tiny_gemma: Member) -> None:
+    again = EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", max_new_tokens=9, stop=["x"])
+    assert again.ensemble is tiny_llm.ensemble  # per-call settings are not part of the key
+    assert shared_ensemble([tiny_llama, tiny_gemma], "single", {}, {}) is tiny_llm.ensemble
+    other = EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", method_config={"seed": 3})
+    assert other.ensemble is not tiny_llm.ensemble
+
+
+def test_options_are_validated(tiny_llm: EnsembleLLM, tiny_llama: Member) -> None:
+    with pytest.raises(ConfigurationError, match="max_new_tokens"):
+        EnsembleLLM(members=[tiny_llama], method="single", method_config={"max_new_tokens": 5})
+    with pytest.raises(InvalidOptionError, match="method"):
+        EnsembleLLM(members=[tiny_llama], method="no-such-method")
+    with pytest.raises(ConfigurationError, match="Unknown generation option"):
+        tiny_llm.complete("hi", beams=3)
+    with pytest.raises(InvalidOptionError, match="temperature"):
+        tiny_llm.complete("hi", temperature=-1)
+    with pytest.raises(InvalidOptionError, match="max_new_tokens"):
+        tiny_llm.complete("hi", max_tokens=0)
+    assert tiny_llm._overrides({"max_tokens": 3, "temperature": 0.7, "stop": "\n\n", "seed": 1}) == {
+        "max_new_tokens": 3, "stop": ("\n\n",), "do_sample": True, "temperature": 0.7, "seed": 1}
+
+
+def test_tiny_members_run_every_entry_point(tiny_llm: EnsembleLLM) -> None:
+    """All eight entry points return well-formed responses with usage (text is random here)."""
+    msgs = [ChatMessage(role="user", content="hi")]
+    done = tiny_llm.complete("hi")
+    assert done.raw["usage"]["completion_tokens"] <= 4 and done.raw["stats"]["method"] == "single"
+    assert [r.delta for r in tiny_llm.stream_complete("hi")][-1] == ""
+    assert tiny_llm.chat(msgs).message.role == MessageRole.ASSISTANT
+
+    async def run_async() -> None:
+        assert (await tiny_llm.acomplete("hi")).text == done.text
+        assert (await tiny_llm.achat(msgs)).message.content == tiny_llm.chat(msgs).message.content
+        chunks = [c async for c in await tiny_llm.astream_complete("hi")]
+        assert chunks[-1].text == done.text and chunks[-1].raw["usage"] == done.raw["usage"]
+        chunks = [c async for c in await tiny_llm.astream_chat(msgs)]
+        assert chunks[-1].raw["finish_reason"] in ("length", "eos", "stop")
+
+    asyncio.run(run_async())
+
+
+# --------------------------------------------------------------------------- real pair
+@pytest.fixture(scope="module")
+def llm() -> EnsembleLLM:
+    return EnsembleLLM(members=PAIR, method=METHOD, max_new_tokens=MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def reference(llm: EnsembleLLM):
+    return llm.complete(PROMPT)
+
+
+@pytest.mark.real
+def test_real_metadata_and_shared_weights(llm: EnsembleLLM, real_pair: list[Member]) -> None:
+    meta = llm.metadata
+    assert meta.model_name == f"{METHOD}(smollm2-135m-instruct+gemma3-270m)"
+    assert meta.context_window == 8192 - default_context_margin(8192)  # SmolLM2's window is the smaller
+    # Weights come from the core's per-process cache: the same tensors as any other user's.
+    for mine, loaded in zip(llm.ensemble.members, real_pair):
+        assert mine.model is loaded.model
+
+
+@pytest.mark.real
+def test_real_weights_shared_with_the_langchain_adapter(llm: EnsembleLLM) -> None:
+    pytest.importorskip("langchain_core", reason="the LangChain adapter needs langchain-core")
+    from langchain_ensemble import ChatEnsemble
+
+    chat = ChatEnsemble(members=PAIR, method=METHOD, max_tokens=MAX_NEW)
+    theirs = chat._core_ensemble()  # noqa: SLF001 - the object the LangChain adapter generates with
+    assert [m.model for m in theirs.members] == [m.model for m in llm.ensemble.members]
+    assert all(a.model is b.model for a, b in zip(theirs.members, llm.ensemble.members))
+
+
+@pytest.mark.real
+def test_real_complete_carries_usage_and_stats(llm: EnsembleLLM, reference) -> None:
+    assert reference.text.strip()
+    usage = reference.raw["usage"]
+    primary = llm.ensemble.method.primary
+    assert usage["completion_tokens"] == primary.count_tokens(reference.text)
+    assert usage["prompt_tokens"] == len(primary.encode_prompt(primary.render(PROMPT)))
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert reference.raw["stats"]["method"] == METHOD
+    assert reference.additional_kwargs["ensemble_stats"] == reference.raw["stats"]
+    assert reference.raw["finish_reason"] in ("eos", "length", "stop")
+
+
+@pytest.mark.real
+def test_real_streams_equal_the_blocking_calls(llm: EnsembleLLM, reference) -> None:
+    chunks = list(llm.stream_complete(PROMPT))
+    assert "".join(c.delta for c in chunks) == reference.text == chunks[-1].text
+    assert len(chunks) > 2 and chunks[-1].delta == "" and chunks[-1].raw["usage"] == reference.raw["usage"]
+    msgs = [ChatMessage(role="user", content=PROMPT)]
+    chat_chunks = list(llm.stream_chat(msgs))
+    assert "".join(c.delta for c in chat_chunks) == reference.text  # a string prompt is one user turn
+    assert chat_chunks[-1].message.content == reference.text
+    assert chat_chunks[-1].raw["stats"]["method"] == METHOD
+
+
+@pytest.mark.real
+def test_real_chat_with_system_message(llm: EnsembleLLM) -> None:
+    reply = llm.chat([ChatMessage(role="system", content="Answer with one word."),
+                      ChatMessage(role="user", content="What colour is the sky?")], max_new_tokens=8)
+    assert reply.message.role == MessageRole.ASSISTANT and reply.message.content.strip()
+    assert reply.raw["usage"]["completion_tokens"] <= 8
+
+
+@pytest.mark.real
+def test_real_stop_is_honoured(llm: EnsembleLLM, reference) -> None:
+    text = reference.text
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[len(words) // 2]
+    cut = llm.complete(PROMPT, stop=[stop])
+    assert cut.text == text[: text.index(stop)], (stop, text, cut.text)
+    assert cut.raw["finish_reason"] == "stop"
+    field_stop = EnsembleLLM(members=PAIR, method=METHOD, max_new_tokens=MAX_NEW, stop=[stop])
+    assert "".join(c.delta for c in field_stop.stream_complete(PROMPT)) == cut.text
+
+
+@pytest.mark.real
+async def test_real_async_does_not_block_the_event_loop(llm: EnsembleLLM, reference) -> None:
+    ticks = 0
+    stop_ticking = asyncio.Event()
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while not stop_ticking.is_set():
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    beat = asyncio.create_task(heartbeat())
+    t0 = time.perf_counter()
+    done = await llm.acomplete(PROMPT)
+    elapsed = time.perf_counter() - t0
+    ticks_during = ticks
+    chunks = [c async for c in await llm.astream_chat([ChatMessage(role="user", content=PROMPT)])]
+    stop_ticking.set()
+    await beat
+    assert done.text == reference.text
+    assert "".join(c.delta for c in chunks) == reference.text and chunks[-1].raw["usage"] == reference.raw["usage"]
+    # A blocked loop would tick once; a free one ticks about every 10 ms (generous bound for a busy CI box).
+    assert ticks_during >= max(5, int(elapsed / 0.01 * 0.2)), (ticks_during, elapsed)
+
+
+@pytest.mark.real
+async def test_real_async_cancellation_stops_the_core(llm: EnsembleLLM) -> None:
+    run = llm._run(PROMPT, {"max_new_tokens": 200})  # noqa: SLF001 - observe the core run itself
+    first = asyncio.get_running_loop().create_future()
+
+    async def consume() -> None:
+        async for delta in run.adeltas():
+            if not first.done():
+                first.set_result(delta)
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first, timeout=60)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert run.cancelled
+    deadline = time.perf_counter() + 30
+    while run.result is None and time.perf_counter() < deadline:  # the worker finishes its round, then stops
+        await asyncio.sleep(0.05)
+    assert run.result is not None and run.result.finish_reason == "cancelled"
+    assert run.result.completion_tokens < 200
+    # The ensemble is free again: a new request runs at once.
+    assert (await llm.acomplete(PROMPT, max_new_tokens=2)).raw["usage"]["completion_tokens"] <= 2
+
+
+@pytest.mark.real
+def test_real_cancelled_while_waiting_for_the_ensemble(llm: EnsembleLLM) -> None:
+    from llama_index.llms.ensemble.shared import lock_for
+
+    lock = lock_for(llm.ensemble)
+    with lock:  # another generation holds the ensemble
+        run = llm._run(PROMPT, {})  # noqa: SLF001
+        run.cancel()
+        with pytest.raises(GenerationCancelled, match="waiting"):
+            run.run()
+
+
+@pytest.mark.real
+def test_real_token_counting_handler_reads_the_usage() -> None:
+    counter = TokenCountingHandler()
+    llm = EnsembleLLM(members=PAIR, method=METHOD, max_new_tokens=8, callback_manager=CallbackManager([counter]))
+    done = llm.complete(PROMPT)
+    streamed = list(llm.stream_chat([ChatMessage(role="user", content=PROMPT)]))
+    assert len(counter.llm_token_counts) == 2
+    for event, usage in zip(counter.llm_token_counts, (done.raw["usage"], streamed[-1].raw["usage"])):
+        # The handler's own tokenizer (tiktoken) would count the bare prompt, not the
+        # chat-formatted one the members saw: equality means it read raw["usage"].
+        assert event.prompt_token_count == usage["prompt_tokens"]
+        assert event.completion_token_count == usage["completion_tokens"]
+    assert counter.prompt_llm_token_count == 2 * done.raw["usage"]["prompt_tokens"]
+    assert counter.total_llm_token_count == done.raw["usage"]["total_tokens"] + streamed[-1].raw["usage"]["total_tokens"]
