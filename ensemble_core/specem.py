@@ -403,12 +403,18 @@ def candidate_ids(track: Track, shared: str, candidate: Candidate) -> tuple[list
 
 
 def verify(track: Track, shared: str, candidates: Sequence[Candidate], scoring: str) -> tuple[list[float], int]:
-    """Raw scores (mean per-token value; ``-inf`` for an abstention) and the boundary fallbacks."""
-    encoded = [candidate_ids(track, shared, c) for c in candidates]
-    values = score_candidates_inline(track.state, [ids for ids, _ in encoded], scoring,
-                                     [c.finished for c in candidates])
+    """Raw scores (mean per-token value; ``-inf`` for an abstention) and the boundary fallbacks.
+
+    Identical candidates (members that agree) are scored once, so they tie exactly.
+    """
+    unique: dict[tuple[str, bool], int] = {}
+    for c in candidates:
+        unique.setdefault((c.text, c.finished), len(unique))
+    firsts = [next(c for c in candidates if (c.text, c.finished) == key) for key in unique]
+    encoded = [candidate_ids(track, shared, c) for c in firsts]
+    values = score_candidates_inline(track.state, [ids for ids, _ in encoded], scoring, [c.finished for c in firsts])
     raw = [float(v.mean()) if len(v) else -math.inf for v in values]
-    return raw, sum(not exact for _, exact in encoded)
+    return [raw[unique[(c.text, c.finished)]] for c in candidates], sum(not exact for _, exact in encoded)
 
 
 # ----------------------------------------------------------------------------- the method
