@@ -17,7 +17,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 pytestmark = pytest.mark.real
 
 PAIR = ["smollm2-135m-instruct", "gemma3-270m"]
-METHOD = "single"
+METHOD = "safe"
 
 
 class TestChatEnsembleUnit(ChatModelUnitTests):

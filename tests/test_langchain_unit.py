@@ -270,6 +270,15 @@ def test_leaving_a_stream_early_cancels_the_core_stream(chat, monkeypatch) -> No
     assert chat.invoke("Hello").content  # the ensemble's lock was released
 
 
+def test_an_abandoned_stream_blocks_nobody_and_requests_interleave(chat) -> None:
+    expected = [chat.invoke(p).content for p in ("Hello", "Bye")]
+    abandoned = chat.stream("Hello", max_tokens=50)
+    next(abandoned)  # started, neither finished nor closed
+    assert chat.invoke("Hello", timeout=30).content == expected[0]
+    assert [m.content for m in chat.batch(["Hello", "Bye"])] == expected  # parallel threads, rounds interleaved
+    abandoned.close()
+
+
 async def test_cancelled_task_cancels_generation(tiny_gemma) -> None:
     chat = ChatEnsemble(members=[tiny_gemma], method="single", max_tokens=3000)
     runs: list[CoreRun] = []

@@ -39,7 +39,7 @@ class EnsembleLLM(EnsembleFields, BaseLLM):
     """A text-completion model backed by an ensemble (see :class:`ChatEnsemble` for the options).
 
     ``generate`` / ``batch`` over several prompts run them one after another on the shared
-    ensemble (one generation at a time per ensemble). ``_stream`` reports every chunk to
+    ensemble, as the core's ``batch`` does. ``_stream`` reports every chunk to
     ``on_llm_new_token`` itself, because ``BaseLLM.stream`` does not.
     """
 

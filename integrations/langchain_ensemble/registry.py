@@ -8,9 +8,10 @@ with the same description costs a dictionary lookup, not a rebuild.
 
 Per-call settings (``temperature``, ``max_tokens``, ``stop``) are not part of the key:
 they are passed to the core as per-call overrides, so instances that differ only in them
-share one ensemble. Every ensemble also gets a lock (:func:`lock_for`): one generation
-runs at a time per ensemble, because parallel requests would only compete for the same
-cores (or GPU) and a method object is not required to be re-entrant.
+share one ensemble. Every ensemble also gets a lock (:func:`lock_for`): one round of
+generation runs at a time per ensemble, because parallel forward passes would only
+compete for the same cores (or GPU), and the method's lazily built tables are then never
+built twice. Requests interleave round by round (see :class:`~.runner.CoreRun`).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def get_ensemble(members: Sequence[Any] | None, method: str, method_config: Mapp
 
 
 def lock_for(ensemble: Ensemble) -> threading.Lock:
-    """The lock that serialises generations on ``ensemble`` (lives as long as the ensemble)."""
+    """The lock that serialises rounds on ``ensemble`` (lives as long as the ensemble)."""
     with _REGISTRY_LOCK:
         lock = _LOCKS.get(ensemble)
         if lock is None:

@@ -40,11 +40,12 @@ class GenerationTimeout(GenerationCancelled, TimeoutError):
 class CoreRun:
     """One generation: iterate it for text deltas; ``result`` is set once it is exhausted.
 
-    The ensemble's lock is held while generating (one generation at a time per ensemble);
-    waiting for it counts towards ``timeout``.
+    The ensemble's lock is held for each round (one ``next`` on the core stream), not for
+    the whole generation: concurrent requests on one ensemble interleave round by round
+    (each request has its own decoding states; the method object only holds
+    request-independent tables), no two rounds compete for the same cores, and a stream
+    that its consumer abandons half-way cannot block anybody else.
     """
-
-    _LOCK_POLL_S = 0.05
 
     def __init__(self, ensemble: Ensemble, prompt: Prompt, overrides: dict[str, Any],
                  timeout: float | None = None) -> None:
@@ -68,25 +69,23 @@ class CoreRun:
             timer.daemon = True
             timer.start()
         lock = lock_for(self.ensemble)
+        stream = self.ensemble.stream(self.prompt, cancel=self.cancel_event, **self.overrides)
+        deltas = iter(stream)
         try:
-            while not lock.acquire(timeout=self._LOCK_POLL_S):
-                if self.cancel_event.is_set():
+            while True:
+                with lock:  # a cancelled run still takes one (cheap) step: the core then reports "cancelled"
+                    delta = next(deltas, None)
+                if delta is None:
                     break
-            else:
-                try:
-                    stream = self.ensemble.stream(self.prompt, cancel=self.cancel_event, **self.overrides)
-                    yield from stream
-                    self.result = stream.result
-                finally:
-                    lock.release()
+                yield delta
         finally:
             if timer is not None:
                 timer.cancel()
             self.cancel_event.set()  # a consumer that stopped early also stops the core loop
-        if self.timed_out and (self.result is None or self.result.finish_reason == "cancelled"):
-            raise GenerationTimeout(self.timeout or 0.0, self.result.text if self.result else "")
-        if self.result is None:
-            raise GenerationCancelled("The generation was cancelled before it started.")
+        self.result = stream.result
+        if self.timed_out and self.result is not None and self.result.finish_reason == "cancelled":
+            raise GenerationTimeout(self.timeout or 0.0, self.result.text)
+        assert self.result is not None
 
     def run(self) -> GenerationResult:
         """Generate to the end and return the result."""
