@@ -1,0 +1,190 @@
+"""Ensemble distributions (UniTE, GaC) and sharpening, on the bundled models' real tokenizers.
+
+Probability vectors are hand-made, so every expected value is known; the tokenizers are
+the real ones (through the tiny members), so text keys, byte tokens and special tokens
+behave as in production.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ensemble_core.distributions import (
+    END,
+    GaC,
+    UniTE,
+    geometric_mean,
+    is_complete,
+    make_distribution,
+    member_table,
+    prefix_merge,
+    sharpen,
+    token_bytes,
+    union_vocabulary,
+)
+from ensemble_core.distributions import Candidates as C
+from ensemble_core.errors import InvalidOptionError
+from ensemble_core.members import Member
+
+
+def one_id(member: Member, text: str) -> int:
+    ids = member.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def dist(member: Member, masses: dict[int, float]) -> torch.Tensor:
+    """A probability vector with the given masses and the rest spread evenly."""
+    p = torch.full((member.vocab_size,), (1.0 - sum(masses.values())) / (member.vocab_size - len(masses)))
+    for i, m in masses.items():
+        p[i] = m
+    return p
+
+
+def prob_of(c: C, member: int, key: bytes | object) -> float:
+    return float(c.member_probs[member, c.keys.index(key)])
+
+
+# ============================================================================ token texts
+def test_token_bytes_of_both_tokenizer_families(tiny_llama: Member, tiny_gemma: Member) -> None:
+    smol = tiny_llama.tokenizer("Inc 東 😀", add_special_tokens=False)["input_ids"]
+    assert b"".join(token_bytes(tiny_llama.tokenizer, smol)) == "Inc 東 😀".encode()
+    pieces = token_bytes(tiny_llama.tokenizer, smol)
+    assert not all(is_complete(p) for p in pieces)  # byte-level BPE splits the CJK character and the emoji
+    gemma = tiny_gemma.tokenizer(" Incorrect\n\n", add_special_tokens=False)["input_ids"]
+    assert token_bytes(tiny_gemma.tokenizer, gemma) == [b" Incorrect", b"\n\n"]
+    byte_e6 = tiny_gemma.tokenizer.convert_tokens_to_ids("<0xE6>")
+    assert token_bytes(tiny_gemma.tokenizer, [byte_e6]) == [b"\xe6"]
+    # special tokens have no text
+    assert token_bytes(tiny_llama.tokenizer, [1, 2]) == [None, None]
+
+
+def test_union_vocabulary_merges_equal_texts_and_bytes(tiny_llama: Member, tiny_gemma: Member) -> None:
+    union = union_vocabulary([member_table(tiny_llama), member_table(tiny_gemma)])
+    smol_space = tiny_llama.tokenizer.convert_tokens_to_ids("Ġ")
+    gemma_space = tiny_gemma.tokenizer.convert_tokens_to_ids("▁")
+    assert int(union.maps[0][smol_space]) == int(union.maps[1][gemma_space])
+    smol_e6 = tiny_llama.tokenizer.convert_tokens_to_ids("æ")  # the byte 0xE6 in GPT-2's byte alphabet
+    gemma_e6 = tiny_gemma.tokenizer.convert_tokens_to_ids("<0xE6>")
+    index = int(union.maps[0][smol_e6])
+    assert index == int(union.maps[1][gemma_e6]) and union.keys[index] == b"\xe6"
+    assert not bool(union.selectable[index])  # half a character is never a candidate
+    assert int(union.maps[0][2]) == union.end and int(union.maps[1][1]) == union.end  # both EOS tokens
+    assert union_vocabulary([member_table(tiny_llama), member_table(tiny_gemma)]) is union  # built once
+
+
+# ============================================================================ fusion
+@pytest.mark.parametrize("rule", [UniTE, GaC])
+def test_identical_tokenizers_reduce_to_plain_averaging(tiny_llama: Member, rule: type) -> None:
+    gen = torch.Generator().manual_seed(0)
+    p1 = torch.softmax(torch.randn(tiny_llama.vocab_size, generator=gen) * 4, 0)
+    p2 = torch.softmax(torch.randn(tiny_llama.vocab_size, generator=gen) * 4, 0)
+    c = rule([tiny_llama, tiny_llama], top_k=10).fuse([p1, p2])
+    table = member_table(tiny_llama)
+    average = (p1 + p2) / 2
+    for i, key in enumerate(c.keys):
+        ids = list(table.eos_ids) if key is END else list(table.ids_of[key])
+        assert float(c.fused[i]) == pytest.approx(float(average[ids].sum()), rel=1e-5)
+    best = int(torch.argmax(average.masked_fill(~table.selectable, -1)))
+    assert c.keys[int(torch.argmax(c.fused))] == table.keys[best]
+
+
+def test_unite_counts_a_missing_string_by_its_first_token(tiny_llama: Member, tiny_gemma: Member) -> None:
+    smol = dist(tiny_llama, {one_id(tiny_llama, " Inc"): 0.6, one_id(tiny_llama, " wrong"): 0.3})
+    gemma = dist(tiny_gemma, {one_id(tiny_gemma, " Incorrect"): 0.7, one_id(tiny_gemma, " wrong"): 0.2})
+    c = UniTE([tiny_llama, tiny_gemma], top_k=2).fuse([smol, gemma])
+    assert set(c.keys) == {b" Inc", b" wrong", b" Incorrect"}
+    assert prob_of(c, 0, b" Incorrect") == pytest.approx(0.6)  # SmolLM2 has no " Incorrect": its " Inc"
+    assert prob_of(c, 1, b" wrong") == pytest.approx(0.2)
+    assert prob_of(c, 1, b" Inc") < 1e-5  # Gemma's own " Inc" token, unlikely
+    assert c.keys[int(torch.argmax(c.fused))] == b" Incorrect"
+    assert float(c.fused[c.keys.index(b" Incorrect")]) == pytest.approx(0.65)
+    assert c.drafter_top.tolist() == [k in (b" Inc", b" wrong") for k in c.keys]
+
+
+def test_gac_averages_over_the_union_vocabulary(tiny_llama: Member, tiny_gemma: Member) -> None:
+    smol = dist(tiny_llama, {one_id(tiny_llama, " wrong"): 0.5, one_id(tiny_llama, " Inc"): 0.4})
+    gemma = dist(tiny_gemma, {one_id(tiny_gemma, " wrong"): 0.5, one_id(tiny_gemma, " Incorrect"): 0.45})
+    c = GaC([tiny_llama, tiny_gemma], top_k=3).fuse([smol, gemma])
+    assert c.keys[0] == b" wrong" and float(c.fused[0]) == pytest.approx(0.5, abs=1e-4)
+    assert float(c.fused[c.keys.index(b" Incorrect")]) == pytest.approx(0.225, abs=1e-4)
+    assert prob_of(c, 0, b" Incorrect") < 1e-4  # GaC has no first-token fallback: strings must match
+    assert len(c) <= 3 * 2 + 3
+
+
+@pytest.mark.parametrize("rule", [UniTE, GaC])
+def test_end_of_text_and_special_tokens(tiny_llama: Member, tiny_gemma: Member, rule: type) -> None:
+    smol = dist(tiny_llama, {2: 0.6, 1: 0.3})  # <|im_end|> (EOS) and <|im_start|> (special)
+    gemma = dist(tiny_gemma, {1: 0.5})  # <eos>
+    c = rule([tiny_llama, tiny_gemma], top_k=5).fuse([smol, gemma])
+    assert c.keys[int(torch.argmax(c.fused))] is END
+    assert float(c.fused[c.keys.index(END)]) == pytest.approx(0.55, abs=1e-4)
+    assert all(k is END or (isinstance(k, bytes) and is_complete(k) and k) for k in c.keys)
+
+
+@pytest.mark.parametrize("rule", [UniTE, GaC])
+def test_prefixes_align_a_transcript_member_at_the_start_of_a_reply(tiny_llama: Member, tiny_gemma: Member,
+                                                                    rule: type) -> None:
+    smol = dist(tiny_llama, {one_id(tiny_llama, "Paris"): 0.7})
+    gemma = dist(tiny_gemma, {one_id(tiny_gemma, " Paris"): 0.8, one_id(tiny_gemma, "\n"): 0.1})
+    c = rule([tiny_llama, tiny_gemma], top_k=3).fuse([smol, gemma], prefixes=[b"", b" "])
+    assert b" Paris" not in c.keys and b"\n" not in c.keys  # Gemma's candidates lose its lead " "
+    assert prob_of(c, 1, b"Paris") == pytest.approx(0.8)
+    assert c.keys[int(torch.argmax(c.fused))] == b"Paris"
+    assert float(c.fused[c.keys.index(b"Paris")]) == pytest.approx(0.75, abs=1e-4)
+
+
+def test_fusion_rejects_bad_input(tiny_llama: Member, tiny_gemma: Member) -> None:
+    with pytest.raises(InvalidOptionError):
+        make_distribution("average", [tiny_llama])
+    with pytest.raises(InvalidOptionError):
+        UniTE([tiny_llama], top_k=0)
+    rule = UniTE([tiny_llama, tiny_gemma])
+    p = torch.full((tiny_llama.vocab_size,), 1.0 / tiny_llama.vocab_size)
+    with pytest.raises(InvalidOptionError):
+        rule.fuse([p])  # one vector for two members
+    with pytest.raises(InvalidOptionError):
+        rule.fuse([p, p])  # the second has the wrong vocabulary size
+    with pytest.raises(InvalidOptionError):
+        rule.fuse([p, torch.zeros(tiny_gemma.vocab_size)], drafter=2)
+
+
+# ============================================================================ sharpening
+def hand_made(keys: list, fused: list[float], drafter_top: list[bool] | None = None,
+              member_probs: list[list[float]] | None = None) -> C:
+    probs = torch.tensor(member_probs) if member_probs else torch.tensor([fused, fused])
+    top = torch.tensor(drafter_top if drafter_top is not None else [True] * len(keys))
+    return C(tuple(keys), probs, torch.tensor(fused), top)
+
+
+def test_prefix_merge_picks_the_prefix_the_members_share() -> None:
+    c = hand_made([b"So", b"Sof", b"Sofia", b" the"], [0.3, 0.1, 0.25, 0.35])
+    scores = prefix_merge(c.keys, c.fused, c.drafter_top)
+    assert scores.tolist() == pytest.approx([0.65, 0.1, 0.25, 0.35])
+    assert c.keys[int(torch.argmax(sharpen(c, "heuristic")))] == b"So"
+    assert c.keys[int(torch.argmax(sharpen(c, "none")))] == b" the"
+
+
+def test_prefix_merge_rules_out_whitespace_unlikely_and_foreign_prefixes() -> None:
+    blank = hand_made([b" ", b" the", b" a"], [0.3, 0.36, 0.34])
+    assert blank.keys[int(torch.argmax(sharpen(blank, "heuristic")))] == b" the"
+    rare = hand_made([b"So", b"Sofia", b"Hi"], [0.09, 0.4, 0.45])  # "So" <= 0.1
+    assert rare.keys[int(torch.argmax(sharpen(rare, "heuristic")))] == b"Hi"
+    foreign = hand_made([b"So", b"Sofia", b"Hi"], [0.3, 0.3, 0.4], drafter_top=[False, True, True])
+    assert foreign.keys[int(torch.argmax(sharpen(foreign, "heuristic")))] == b"Hi"
+
+
+def test_geometric_mean_vetoes_a_token_one_member_finds_unlikely() -> None:
+    c = hand_made([b"A", b"B"], [0.36, 0.30], member_probs=[[0.70, 0.30], [0.02, 0.30]])
+    assert geometric_mean(c.member_probs).tolist() == pytest.approx([(0.70 * 0.02) ** 0.5, 0.30])
+    assert int(torch.argmax(sharpen(c, "geometric"))) == 1
+    assert int(torch.argmax(sharpen(c, "none"))) == 0
+
+
+def test_sharpening_only_when_the_fused_maximum_is_below_one_half() -> None:
+    c = hand_made([b"So", b"Sofia", b"Hi"], [0.2, 0.25, 0.55])
+    assert sharpen(c, "heuristic").tolist() == pytest.approx([0.2, 0.25, 0.55])
+    assert float(sharpen(hand_made([b"So", b"Sofia"], [0.3, 0.3]), "heuristic").sum()) == pytest.approx(1.0)
+    with pytest.raises(InvalidOptionError):
+        sharpen(c, "arithmetic")
