@@ -26,9 +26,9 @@ from ensemble_core import ConfigurationError, GenerationCancelled, InputError, I
 REPO = Path(__file__).resolve().parents[1]
 PAIR = ["smollm2-135m-instruct", "gemma3-270m"]
 #: The method the real tests run (SAFE is the issue's target; see the report if it differs).
-METHOD = "single"
-PROMPT = "List three colours of the rainbow."
-MAX_NEW = 20
+METHOD = "safe"
+PROMPT = "What is the capital of France?"  # a short answer that ends at EOS keeps the real tests fast
+MAX_NEW = 16
 
 
 # --------------------------------------------------------------------------- packaging
@@ -89,6 +89,7 @@ def test_identical_configurations_share_one_ensemble(tiny_llm: EnsembleLLM, tiny
                                                      tiny_gemma: Member) -> None:
     again = EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", max_new_tokens=9, stop=["x"])
     assert again.ensemble is tiny_llm.ensemble  # per-call settings are not part of the key
+    assert again._overrides({"stop": ["y", "x"]})["stop"] == ("x", "y")  # field stops first, then the call's
     assert shared_ensemble([tiny_llama, tiny_gemma], "single", {}, {}) is tiny_llm.ensemble
     other = EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", method_config={"seed": 3})
     assert other.ensemble is not tiny_llm.ensemble
@@ -174,15 +175,11 @@ def test_real_complete_carries_usage_and_stats(llm: EnsembleLLM, reference) -> N
 
 
 @pytest.mark.real
-def test_real_streams_equal_the_blocking_calls(llm: EnsembleLLM, reference) -> None:
+def test_real_stream_complete_equals_complete(llm: EnsembleLLM, reference) -> None:
     chunks = list(llm.stream_complete(PROMPT))
     assert "".join(c.delta for c in chunks) == reference.text == chunks[-1].text
-    assert len(chunks) > 2 and chunks[-1].delta == "" and chunks[-1].raw["usage"] == reference.raw["usage"]
-    msgs = [ChatMessage(role="user", content=PROMPT)]
-    chat_chunks = list(llm.stream_chat(msgs))
-    assert "".join(c.delta for c in chat_chunks) == reference.text  # a string prompt is one user turn
-    assert chat_chunks[-1].message.content == reference.text
-    assert chat_chunks[-1].raw["stats"]["method"] == METHOD
+    assert len(chunks) >= 2 and chunks[-1].delta == "" and chunks[-1].raw["usage"] == reference.raw["usage"]
+    assert all(c.raw is None for c in chunks[:-1])  # usage is known once, at the end
 
 
 @pytest.mark.real
@@ -202,8 +199,6 @@ def test_real_stop_is_honoured(llm: EnsembleLLM, reference) -> None:
     cut = llm.complete(PROMPT, stop=[stop])
     assert cut.text == text[: text.index(stop)], (stop, text, cut.text)
     assert cut.raw["finish_reason"] == "stop"
-    field_stop = EnsembleLLM(members=PAIR, method=METHOD, max_new_tokens=MAX_NEW, stop=[stop])
-    assert "".join(c.delta for c in field_stop.stream_complete(PROMPT)) == cut.text
 
 
 @pytest.mark.real
@@ -233,7 +228,7 @@ async def test_real_async_does_not_block_the_event_loop(llm: EnsembleLLM, refere
 
 @pytest.mark.real
 async def test_real_async_cancellation_stops_the_core(llm: EnsembleLLM) -> None:
-    run = llm._run(PROMPT, {"max_new_tokens": 200})  # noqa: SLF001 - observe the core run itself
+    run = llm._run("Write a long story about a dragon and a lighthouse.", {"max_new_tokens": 200})  # noqa: SLF001 - observe the core run itself
     first = asyncio.get_running_loop().create_future()
 
     async def consume() -> None:
@@ -269,16 +264,19 @@ def test_real_cancelled_while_waiting_for_the_ensemble(llm: EnsembleLLM) -> None
 
 
 @pytest.mark.real
-def test_real_token_counting_handler_reads_the_usage() -> None:
+def test_real_token_counting_handler_reads_the_usage(reference) -> None:
+    """complete and stream_chat through a callback manager; also: a string prompt is one user turn."""
     counter = TokenCountingHandler()
-    llm = EnsembleLLM(members=PAIR, method=METHOD, max_new_tokens=8, callback_manager=CallbackManager([counter]))
+    llm = EnsembleLLM(members=PAIR, method=METHOD, max_new_tokens=MAX_NEW, callback_manager=CallbackManager([counter]))
     done = llm.complete(PROMPT)
     streamed = list(llm.stream_chat([ChatMessage(role="user", content=PROMPT)]))
+    assert done.text == reference.text
+    assert "".join(c.delta for c in streamed) == streamed[-1].message.content == reference.text
+    assert streamed[-1].raw["stats"]["method"] == METHOD and streamed[-1].delta == ""
     assert len(counter.llm_token_counts) == 2
     for event, usage in zip(counter.llm_token_counts, (done.raw["usage"], streamed[-1].raw["usage"])):
         # The handler's own tokenizer (tiktoken) would count the bare prompt, not the
         # chat-formatted one the members saw: equality means it read raw["usage"].
-        assert event.prompt_token_count == usage["prompt_tokens"]
+        assert event.prompt_token_count == usage["prompt_tokens"] > 2 * len(PROMPT.split())
         assert event.completion_token_count == usage["completion_tokens"]
-    assert counter.prompt_llm_token_count == 2 * done.raw["usage"]["prompt_tokens"]
-    assert counter.total_llm_token_count == done.raw["usage"]["total_tokens"] + streamed[-1].raw["usage"]["total_tokens"]
+    assert counter.total_llm_token_count == 2 * reference.raw["usage"]["total_tokens"]
