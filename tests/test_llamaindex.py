@@ -13,7 +13,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import llama_index.core
 import llama_index.llms.ensemble as pkg
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
@@ -21,7 +20,14 @@ from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.llms.ensemble import EnsembleLLM, default_context_margin, shared_ensemble
 from llama_index.llms.ensemble.messages import to_core_messages
 
-from ensemble_core import ConfigurationError, GenerationCancelled, InputError, InvalidOptionError, Member
+from ensemble_core import (
+    ConfigurationError,
+    GenerationCancelled,
+    InputError,
+    InvalidOptionError,
+    Member,
+    PromptTooLongError,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PAIR = ["smollm2-135m-instruct", "gemma3-270m"]
@@ -33,10 +39,14 @@ MAX_NEW = 16
 
 # --------------------------------------------------------------------------- packaging
 def test_import_through_implicit_namespace_package() -> None:
-    assert Path(pkg.__file__).resolve().parent == REPO / "integrations" / "llama_index" / "llms" / "ensemble"
     for folder in ("integrations/llama_index", "integrations/llama_index/llms"):
         assert not (REPO / folder / "__init__.py").exists(), f"{folder} must stay an implicit namespace package"
-    assert "site-packages" in llama_index.core.__file__  # llama_index.core still comes from the install
+    import llama_index
+    import llama_index.llms
+
+    assert llama_index.__file__ is None and llama_index.llms.__file__ is None  # namespace packages, installed or not
+    assert Path(pkg.__file__).parts[-4:] == ("llama_index", "llms", "ensemble", "__init__.py")
+    assert Path(llama_index.core.__file__).parts[-3:] == ("llama_index", "core", "__init__.py")  # untouched
     assert EnsembleLLM.class_name() == "EnsembleLLM"
 
 
@@ -93,6 +103,23 @@ def test_identical_configurations_share_one_ensemble(tiny_llm: EnsembleLLM, tiny
     assert shared_ensemble([tiny_llama, tiny_gemma], "single", {}, {}) is tiny_llm.ensemble
     other = EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", method_config={"seed": 3})
     assert other.ensemble is not tiny_llm.ensemble
+
+
+def test_too_long_prompt_raises_a_typed_error_everywhere(tiny_llm: EnsembleLLM) -> None:
+    prompt = "word " * 5000  # the tiny members' window is 4096 tokens
+    with pytest.raises(PromptTooLongError):
+        tiny_llm.complete(prompt)
+    with pytest.raises(PromptTooLongError):
+        list(tiny_llm.stream_chat([ChatMessage(role="user", content=prompt)]))
+
+    async def run_async() -> None:
+        with pytest.raises(PromptTooLongError):
+            await tiny_llm.acomplete(prompt)
+        with pytest.raises(PromptTooLongError):
+            [c async for c in await tiny_llm.astream_complete(prompt)]
+
+    asyncio.run(run_async())
+    assert tiny_llm.complete("hi").raw["usage"]["completion_tokens"] <= 4  # and the ensemble is free again
 
 
 def test_options_are_validated(tiny_llm: EnsembleLLM, tiny_llama: Member) -> None:
