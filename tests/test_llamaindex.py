@@ -210,14 +210,6 @@ def test_real_stream_complete_equals_complete(llm: EnsembleLLM, reference) -> No
 
 
 @pytest.mark.real
-def test_real_chat_with_system_message(llm: EnsembleLLM) -> None:
-    reply = llm.chat([ChatMessage(role="system", content="Answer with one word."),
-                      ChatMessage(role="user", content="What colour is the sky?")], max_new_tokens=8)
-    assert reply.message.role == MessageRole.ASSISTANT and reply.message.content.strip()
-    assert reply.raw["usage"]["completion_tokens"] <= 8
-
-
-@pytest.mark.real
 def test_real_stop_is_honoured(llm: EnsembleLLM, reference) -> None:
     text = reference.text
     words = text.split()
