@@ -1,0 +1,557 @@
+"""SAFE: selective token-level ensembling with a drafter and verifiers.
+
+"When to Ensemble: Identifying Token-Level Points for Stable and Fast LLM Ensembling"
+(ICLR 2026). Ensembling every token is slow (every member runs every step) and unstable
+(a member's distribution right after a token boundary it would not have made is
+garbage). SAFE lets one member draft and ensembles only where it is safe and useful.
+
+One round (:meth:`SafeEnsemble.step`):
+
+1. **Draft**: the drafter decodes ``lookahead`` tokens through its KV cache, keeping its
+   distribution at each (a few more if the last one stops inside a character).
+2. **Verify**: each verifier re-encodes only the end of its tokenization plus the drafted
+   text (:func:`~ensemble_core.alignment.encode_continuation`, ``margin`` tokens behind the
+   change), crops its cache to the unchanged ids and runs ONE forward pass over the rest,
+   which yields its distribution at every one of its positions in the window.
+3. **First ensemble point** ``j`` (before drafter token ``j``):
+
+   * *stability*: the character offset must be a token boundary for every verifier and not
+     inside a character for the drafter, else the point is OOV-like and skipped;
+   * *consensus*: skipped when every verifier's argmax is its own next token of the
+     drafted text (agreement judged in each verifier's tokenization, so ``Inc|orrect``
+     versus ``Incorrect`` is not a disagreement), or when the average over members of the
+     probability of continuing as drafted is ``>= consensus_threshold``; with the GaC
+     distribution also when the drafter's own probability is ``>= 0.5``.
+
+   Tokens before ``j`` are accepted; if no point qualifies the whole draft is.
+4. **Ensemble** at ``j``: fuse the members' distributions
+   (:mod:`~ensemble_core.distributions`), sharpen, choose (greedy, or sampled under the
+   seed); append the chosen string, which may be several drafter tokens (encoded for the
+   drafter in context), and discard the rest of the draft.
+5. **Caches**: the drafter is cropped to its committed ids at once. A verifier is cropped
+   lazily at the start of the next round, when it re-encodes the new window anyway: one
+   crop instead of two, and removal then only touches tokens fed since the last crop, so
+   sliding-window caches (Gemma-3) stay exact instead of being re-prefilled.
+
+Reply lead: a base-model transcript ends its prompt with ``"Assistant:"`` and continues
+with ``" The"``, a chat template ends with ``"assistant\n"`` and continues with ``"The"``.
+Each member sees the shared text after its own *lead* (:func:`response_lead`, read off
+its template), and at the very start of the reply a member's candidates are compared
+after stripping its lead (``prefixes`` of :meth:`Distribution.fuse`); otherwise the
+first point would be a vote on whitespace.
+
+End of text: a drafted EOS is a point like any other, with the candidate "end of text"
+(each member's probability of any of its EOS tokens). If the members agree, or its
+average probability passes the threshold, generation ends ("eos"); otherwise the
+ensemble decides, and may overrule the drafter (continue) or stop. A verifier's EOS can
+end generation only through an ensemble point. ``max_new_tokens`` counts the drafter's
+tokens. Text is never committed inside a character: a draft that ends in an unfinished
+character is cut back, and one that never completes a character forces an ensemble
+point, whose candidates are always whole strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .alignment import DECODE_CONTEXT, DEFAULT_MARGIN, REPLACEMENT_CHAR, Tokenized, decode_suffix, encode_continuation
+from .chat import Prompt, normalize_messages, render_chat
+from .distributions import Distribution, EndOfText, check_fusion_options, make_distribution, member_table, sharpen
+from .errors import InvalidOptionError
+from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
+from .members import DecodeState, Member
+
+#: Extra tokens the drafter may add so that its draft does not end inside a character
+#: (a UTF-8 character is at most 4 bytes, so 4 byte tokens always finish one).
+MAX_CHAR_TOKENS = 4
+#: The GaC variant only ensembles where the drafter itself is unsure.
+GAC_DRAFTER_CONFIDENT = 0.5
+
+EMPTY = Tokenized("", (), (), (), ())
+_MARKER = "\u2063reply\u2063"
+
+
+def response_lead(member: Member, prompt: Prompt) -> str:
+    """Whitespace that ``member``'s chat format puts between its generation prompt and a reply.
+
+    Rendered once with a marker reply: the fallback transcript gives ``"Assistant: <reply>"``
+    after a generation prompt ending in ``"Assistant:"``, so its lead is ``" "``; ChatML
+    gives ``""``. Anything that is not pure whitespace (a template adding tags) gives ``""``.
+    """
+    messages = normalize_messages(prompt)
+    opened = member.render(messages)
+    full = render_chat(member.tokenizer, messages + [{"role": "assistant", "content": _MARKER}], member.chat_template)
+    at = full.find(_MARKER)
+    if at < 0 or not full.startswith(opened):
+        return ""
+    lead = full[len(opened):at]
+    return lead if lead.isspace() else ""
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidOptionError(name, value, f"an integer >= {minimum}")
+
+
+@dataclass(frozen=True)
+class SafeConfig(GenerationConfig):
+    """SAFE options (defaults of the published code).
+
+    ``drafter``: index of the drafting member. ``lookahead``: tokens drafted per round
+    (n). ``distribution``: ``"unite"`` (top-k union) or ``"gac"`` (union vocabulary).
+    ``top_k``: k of UniTE, and of the drafter's candidates that prefix merge may lift.
+    ``consensus_threshold``: skip a point when the members' average probability of the
+    drafted continuation is at least this (0 never ensembles except to finish a broken
+    character; 1 ensembles wherever a verifier disagrees). ``sharpening``: ``"heuristic"``
+    (prefix merge), ``"geometric"`` or ``"none"``. ``margin``: verifier tokens re-encoded
+    behind the committed boundary.
+    """
+
+    drafter: int = 0
+    lookahead: int = 5
+    distribution: str = "unite"
+    top_k: int = 10
+    consensus_threshold: float = 0.5
+    sharpening: str = "heuristic"
+    margin: int = DEFAULT_MARGIN
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int("drafter", self.drafter, 0)
+        _check_int("lookahead", self.lookahead, 1)
+        _check_int("margin", self.margin, 0)
+        check_fusion_options(self.distribution, self.top_k, self.sharpening)
+        t = self.consensus_threshold
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 <= t <= 1.0:
+            raise InvalidOptionError("consensus_threshold", t, "a number in [0, 1]")
+
+
+@dataclass
+class _View:
+    """One member within a request: its ids + KV cache, and its tokenization of its text.
+
+    A member's text is ``lead + shared text`` (see :func:`response_lead`). For the drafter
+    ``tokens`` are its own (generated) ids of that text, empty while nothing is committed;
+    for a verifier, its encoding of the last window (lead + committed text + draft).
+    """
+
+    member: Member
+    state: DecodeState
+    lead: str = ""
+    tokens: Tokenized = EMPTY
+    eos: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+    def offset(self, shared: int) -> int:
+        """This member's character offset for offset ``shared`` of the shared text.
+
+        Offset 0 stays 0: there the member has yet to write its lead (a prefix to fusion).
+        """
+        return len(self.lead) + shared if shared else 0
+
+
+@dataclass
+class _Counters:
+    ensembled: int = 0
+    skipped_oov: int = 0
+    skipped_consensus: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    replaced: int = 0
+    rounds: int = 0
+
+
+@dataclass
+class SafeRequest:
+    config: SafeConfig
+    views: list[_View]
+    drafter: int
+    fusion: Distribution
+    generator: torch.Generator | None
+    text: str = ""
+    counters: _Counters = field(default_factory=_Counters)
+    spent: int = 0  # generation steps: accepted drafter tokens + >= 1 per ensemble-chosen string
+
+    @property
+    def states(self) -> list[DecodeState]:
+        return [v.state for v in self.views]
+
+    def used(self) -> int:
+        """Budget used against ``max_new_tokens``: the drafter's tokens of the text, or the
+        steps taken if more (re-encoding can merge pieces: Gemma writes 31 newlines as one
+        token), so that the number of rounds stays bounded by ``max_new_tokens``."""
+        return max(len(self.views[self.drafter].tokens), self.spent)
+
+
+@dataclass
+class _Draft:
+    """The drafter's proposal for one round.
+
+    ``bounds[i]`` is the offset in the shared text, relative to the committed text, after
+    the first ``i`` text tokens, or None where no ensemble point or cut may be (inside a
+    character, or inside the drafter's lead at the start of the reply); ``complete`` is
+    the number of text tokens up to the last valid boundary. ``text`` is the drafter's own
+    text of those tokens (its lead included at the start), ``shift`` the lead length
+    therein (``text[shift:]`` is shared text).
+    """
+
+    ids: list[int]
+    probs: list[torch.Tensor]
+    eos: bool
+    text: str
+    shift: int
+    bounds: list[int | None]
+    complete: int
+    budget_cut: bool
+
+    @property
+    def shared_text(self) -> str:
+        return self.text[self.shift:]
+
+    @property
+    def text_ids(self) -> list[int]:
+        return self.ids[:-1] if self.eos else self.ids
+
+    def next_valid(self, i: int) -> int | None:
+        """The first index > ``i`` with a valid boundary, if any."""
+        for k in range(i + 1, len(self.bounds)):
+            if self.bounds[k] is not None:
+                return k
+        return None
+
+
+@dataclass
+class _Decision:
+    """What a round commits: ``accept`` drafted text tokens, then ``piece`` (ensemble-chosen
+    text) if any; ``eos`` ends the generation, ``eos_drafted`` when it was the drafter's EOS."""
+
+    accept: int
+    piece: str | None
+    eos: bool = False
+    eos_drafted: bool = False
+
+
+@dataclass
+class _Window:
+    """A verifier's distributions over the window: ``probs[r]`` follows ``first + r`` tokens."""
+
+    index: int
+    tokens: Tokenized
+    first: int
+    probs: torch.Tensor
+    argmax: list[int]
+
+
+class SafeEnsemble(EnsembleMethod[SafeConfig]):
+    """SAFE over two or more members (see the module docstring)."""
+
+    name = "safe"
+    config_class = SafeConfig
+    min_members = 2
+
+    def __init__(self, members: Any, config: SafeConfig | None = None, **options: Any) -> None:
+        super().__init__(members, config, **options)
+        self._check_drafter(self.config)
+        self._fusions: dict[tuple[str, int], Distribution] = {}
+
+    def _check_drafter(self, config: SafeConfig) -> None:
+        if config.drafter >= len(self.members):
+            raise InvalidOptionError("drafter", config.drafter, f"a member index in 0..{len(self.members) - 1}")
+
+    @property
+    def primary(self) -> Member:
+        """The drafter: max_new_tokens and completion tokens count its tokens."""
+        return self.members[self.config.drafter]
+
+    def prompt_tokens(self, request: SafeRequest) -> int:
+        return request.views[request.drafter].state.prompt_len
+
+    def fusion(self, name: str, top_k: int) -> Distribution:
+        """The fusion rule (kept per method: its token tables and union vocabulary are reused)."""
+        key = (name, top_k)
+        if key not in self._fusions:
+            self._fusions[key] = make_distribution(name, self.members, top_k)
+        return self._fusions[key]
+
+    # ------------------------------------------------------------------ request
+    def begin(self, prompt: Prompt, config: SafeConfig) -> SafeRequest:
+        self._check_drafter(config)
+        views = []
+        for m in self.members:
+            eos = torch.tensor(sorted(m.eos_token_ids), dtype=torch.long)
+            views.append(_View(m, m.start(prompt, config.max_new_tokens), response_lead(m, prompt), EMPTY, eos))
+        return SafeRequest(config, views, config.drafter, self.fusion(config.distribution, config.top_k),
+                           make_generator(config))
+
+    def step(self, request: SafeRequest) -> Chunk:
+        request.counters.rounds += 1
+        before = request.text
+        draft = self._draft(request)
+        windows = self._verify(request, draft)
+        finish = self._commit(request, draft, self._scan(request, draft, windows))
+        if finish is None and request.used() >= request.config.max_new_tokens:
+            finish = "length"
+        if finish == "length":
+            self._truncate(request, len(before))
+        delta = request.text[len(before):]
+        return Chunk(delta, done=finish is not None, finish_reason=finish)
+
+    # ------------------------------------------------------------------ 1. draft
+    def _draft(self, request: SafeRequest) -> _Draft:
+        config, view = request.config, request.views[request.drafter]
+        state, member = view.state, view.member
+        budget = config.max_new_tokens - request.used()
+        limit = min(config.lookahead, budget)
+        base = len(state.ids)
+        context = state.ids[max(0, base - DECODE_CONTEXT):base]
+        ids: list[int] = []
+        probs: list[torch.Tensor] = []
+        row = state.score()[-1]
+        while True:
+            p = torch.softmax(row.float(), dim=-1)
+            token = choose_token(p, config, request.generator)
+            ids.append(token)
+            probs.append(p)
+            if token in member.eos_token_ids or len(ids) >= budget:
+                break
+            if len(ids) >= limit and (len(ids) >= limit + MAX_CHAR_TOKENS or not decode_suffix(
+                    member.tokenizer, context, ids).endswith(REPLACEMENT_CHAR)):
+                break
+            row = state.score([token])[-1]  # the last drafted token is fed next round (or cropped)
+        eos = ids[-1] in member.eos_token_ids
+        text_ids = ids[:-1] if eos else ids
+        pieces: list[str | None] = []
+        text = ""
+        for i in range(1, len(text_ids) + 1):
+            piece = decode_suffix(member.tokenizer, context, text_ids[:i])
+            if piece.endswith(REPLACEMENT_CHAR) or not piece.startswith(text):
+                pieces.append(None)
+            else:
+                text = piece
+                pieces.append(piece)
+        at_start = len(view.tokens) == 0
+        if at_start and not text.startswith(view.lead):
+            view.lead = ""  # the drafter opened its reply differently: its text is the shared text
+        shift = len(view.lead) if at_start else 0
+        bounds: list[int | None] = [0]
+        complete = 0
+        for i, piece in enumerate(pieces, start=1):
+            if piece is None or (shift and len(piece) <= shift):
+                bounds.append(None)
+            else:
+                bounds.append(len(piece) - shift)
+                complete = i
+        kept = pieces[complete - 1] if complete else ""
+        request.counters.drafted += len(ids)
+        return _Draft(ids, probs, eos, kept or "", shift, bounds, complete,
+                      budget_cut=len(ids) >= budget and not eos)
+
+    # ------------------------------------------------------------------ 2. verify
+    def _verify(self, request: SafeRequest, draft: _Draft) -> list[_Window]:
+        shared = request.text + draft.shared_text
+        windows = []
+        for index, view in enumerate(request.views):
+            if index == request.drafter:
+                continue
+            keep, tokens = encode_continuation(view.member.tokenizer, view.lead + shared, view.tokens,
+                                               request.config.margin)
+            first = tokens.tokens_before(view.offset(len(request.text)))
+            start = min(keep, first)
+            view.state.crop(view.state.prompt_len + start)
+            rows = view.state.score(tokens.ids[start:])[first - start:]
+            view.tokens = tokens
+            probs = torch.softmax(rows.float(), dim=-1)
+            windows.append(_Window(index, tokens, first, probs, probs.argmax(dim=-1).tolist()))
+        return windows
+
+    # ------------------------------------------------------------------ 3./4. ensemble points
+    def _scan(self, request: SafeRequest, draft: _Draft, windows: list[_Window]) -> _Decision:
+        """Walk the draft's points in order and decide what this round commits.
+
+        At the first point that passes both checks the members' distributions are fused.
+        If the ensemble picks the drafter's own token, nothing changes for the text nor for
+        any member's state, so the scan goes on with the rest of the draft (a greedy redraft
+        would produce the same tokens; this saves it). Any other choice ends the round.
+        """
+        config, counters = request.config, request.counters
+        drafter_eos = request.views[request.drafter].eos
+        drafter_keys = member_table(request.views[request.drafter].member).keys
+        n_members = len(request.views)
+        for j in range(len(draft.ids)):
+            is_eos = draft.eos and j == len(draft.ids) - 1
+            if draft.bounds[j] is None:  # inside a character (or the lead) for the drafter
+                counters.skipped_oov += 1
+                continue
+            if not is_eos and draft.next_valid(j) is None:
+                break  # token j ends in an unfinished character: not decidable this round
+            offset = len(request.text) + draft.bounds[j]
+            supports = self._verifier_support(request, windows, offset, is_eos)
+            if supports is None:
+                counters.skipped_oov += 1
+                continue
+            p_draft = float(draft.probs[j][drafter_eos].sum()) if is_eos else float(draft.probs[j][draft.ids[j]])
+            average = (p_draft + sum(p for p, _ in supports)) / n_members
+            if (all(agree for _, agree in supports) or average >= config.consensus_threshold
+                    or (config.distribution == "gac" and p_draft >= GAC_DRAFTER_CONFIDENT)):
+                counters.skipped_consensus += 1
+                continue
+            key, prefixes = self._ensemble(request, draft, windows, j)
+            counters.ensembled += 1
+            if isinstance(key, EndOfText):
+                return _Decision(j, None, eos=True, eos_drafted=is_eos)
+            if is_eos or draft.bounds[j + 1] is None or drafter_keys[draft.ids[j]] != prefixes[request.drafter] + key:
+                return _Decision(j, key.decode("utf-8"))
+        if not draft.eos and draft.complete == 0 and not draft.budget_cut:
+            # the draft never completes a character: only an ensemble point makes progress
+            key, _ = self._ensemble(request, draft, windows, 0)
+            counters.ensembled += 1
+            if isinstance(key, EndOfText):
+                return _Decision(0, None, eos=True)
+            return _Decision(0, key.decode("utf-8"))
+        return _Decision(draft.complete, None, eos=draft.eos, eos_drafted=draft.eos)
+
+    def _verifier_support(self, request: SafeRequest, windows: list[_Window], offset: int,
+                          is_eos: bool) -> list[tuple[float, bool]] | None:
+        """Per verifier: (probability of continuing as drafted, argmax agrees); None if unstable."""
+        out = []
+        for w in windows:
+            view = request.views[w.index]
+            own = view.offset(offset)
+            if not w.tokens.is_boundary(own):
+                return None
+            k = w.tokens.tokens_before(own)
+            if k < w.first:
+                return None
+            probs, best = w.probs[k - w.first], w.argmax[k - w.first]
+            if is_eos:
+                out.append((float(probs[view.eos].sum()), best in view.eos.tolist()))
+            elif k < len(w.tokens):
+                nxt = w.tokens.ids[k]
+                out.append((float(probs[nxt]), best == nxt))
+            else:
+                return None
+        return out
+
+    # ------------------------------------------------------------------ 5. commit
+    def _commit(self, request: SafeRequest, draft: _Draft, decision: _Decision) -> str | None:
+        """Commit the decided text, crop the drafter; return a finish reason or None."""
+        counters = request.counters
+        self._accept(request, draft, decision.accept)
+        kept = decision.accept + int(decision.eos_drafted)
+        counters.accepted += kept
+        counters.replaced += len(draft.ids) - kept
+        request.spent += decision.accept
+        if decision.piece is not None:
+            before = len(request.views[request.drafter].tokens)
+            self._append(request, decision.piece)
+            request.spent += max(1, len(request.views[request.drafter].tokens) - before)
+        if decision.eos:
+            return "eos"
+        if decision.piece is None and draft.budget_cut:
+            return "length"
+        return None
+
+    def _ensemble(self, request: SafeRequest, draft: _Draft, windows: list[_Window],
+                  point: int) -> tuple[Any, list[bytes]]:
+        """Fuse, sharpen and choose at ``point``; returns the chosen key and the members' prefixes."""
+        offset = len(request.text) + (draft.bounds[point] or 0)
+        prefixes = [view.lead.encode("utf-8") if offset == 0 else b"" for view in request.views]
+        probs: list[torch.Tensor | None] = [None] * len(request.views)
+        probs[request.drafter] = draft.probs[point]
+        for w in windows:
+            probs[w.index] = w.probs[w.tokens.tokens_before(request.views[w.index].offset(offset)) - w.first]
+        candidates = request.fusion.fuse(probs, drafter=request.drafter, prefixes=prefixes)  # type: ignore[arg-type]
+        scores = sharpen(candidates, request.config.sharpening)
+        return candidates.keys[choose_token(scores, request.config, request.generator)], prefixes
+
+    def _accept(self, request: SafeRequest, draft: _Draft, count: int) -> None:
+        """Keep the first ``count`` drafted text tokens (they end on a valid boundary)."""
+        view = request.views[request.drafter]
+        t = view.tokens
+        base = len(t.text)
+
+        def own(k: int) -> int:  # drafter offset after k drafted tokens (k on a valid boundary)
+            return draft.bounds[k] + draft.shift if k else 0  # type: ignore[operator]
+
+        ids = draft.text_ids[:count]
+        starts, ends, valid = [], [], []
+        last_valid = 0
+        for i in range(count):
+            nxt = draft.next_valid(i)
+            assert nxt is not None and nxt <= count
+            starts.append(base + own(last_valid))
+            ends.append(base + own(nxt))
+            valid.append(draft.bounds[i + 1] is not None)
+            if valid[-1]:
+                last_valid = i + 1
+        added = draft.text[: own(count)]
+        view.tokens = Tokenized(t.text + added, t.ids + tuple(ids), t.starts + tuple(starts),
+                                t.ends + tuple(ends), t.valid + tuple(valid))
+        request.text += added[draft.shift:] if count else ""
+        target = view.state.prompt_len + len(view.tokens)
+        if len(view.state.ids) > target:
+            view.state.crop(target)
+        else:
+            view.state.extend(ids[len(view.state.ids) - view.state.prompt_len - len(t):])
+
+    def _append(self, request: SafeRequest, piece: str) -> None:
+        """Append ensemble-chosen text, encoded for the drafter in context (after its lead)."""
+        view = request.views[request.drafter]
+        text = request.text + piece
+        keep, tokens = encode_continuation(view.member.tokenizer, view.lead + text, view.tokens, request.config.margin)
+        target = view.state.prompt_len + keep
+        if target < len(view.state.ids):
+            view.state.crop(target)
+        view.state.extend(tokens.ids[keep:])
+        view.tokens = tokens
+        request.text = text
+
+    def _truncate(self, request: SafeRequest, floor: int) -> None:
+        """Cut the drafter's tokens back to ``max_new_tokens`` at a valid boundary.
+
+        An ensemble point may append a string of several drafter tokens; the cut never
+        goes behind ``floor`` (shared text already returned) nor inside a character.
+        """
+        view = request.views[request.drafter]
+        t, n = view.tokens, request.config.max_new_tokens
+        if len(t) <= n:
+            return
+        while n > 0 and not t.valid[n - 1]:
+            n -= 1
+        cut = t.ends[n - 1] if n else 0
+        shared = max(cut - len(view.lead), 0) if n else 0
+        if shared < floor or (n and cut < len(view.lead)):
+            return
+        view.tokens = Tokenized(t.text[:cut], t.ids[:n], t.starts[:n], t.ends[:n], t.valid[:n])
+        view.state.crop(view.state.prompt_len + n)
+        request.text = request.text[:shared]
+
+    # ------------------------------------------------------------------ stats
+    def stats(self, request: SafeRequest) -> dict[str, Any]:
+        c = request.counters
+        tokens = len(request.views[request.drafter].tokens)
+        members = []
+        for i, view in enumerate(request.views):
+            s = view.state.stats
+            members.append({"name": view.member.name, "role": "drafter" if i == request.drafter else "verifier",
+                            "forward_passes": s.forward_passes, "tokens_fed": s.tokens_fed,
+                            "seconds": round(s.seconds, 4), "reprefills": s.reprefills})
+        return {
+            "method": self.name,
+            "drafter": request.views[request.drafter].member.name,
+            "distribution": request.config.distribution,
+            "sharpening": request.config.sharpening,
+            "tokens": tokens,
+            "ensembled": c.ensembled,
+            "ensembled_tokens": c.ensembled,
+            "e_t": c.ensembled / tokens if tokens else 0.0,
+            "skipped_oov": c.skipped_oov,
+            "skipped_consensus": c.skipped_consensus,
+            "drafted": c.drafted,
+            "accepted": c.accepted,
+            "replaced": c.replaced,
+            "rounds": c.rounds,
+            "members": members,
+        }

@@ -1,0 +1,315 @@
+"""SAFE (drafter + verifiers, selective ensembling) and the every-token baseline.
+
+* Scripted members (a tiny real transformers model whose logits are replaced by a
+  distribution that follows a fixed reply *text*) pin down the stability check, the
+  consensus skip, ensembling at a shared boundary and overruling the drafter's EOS.
+* Tiny random-weight members with the real tokenizers stress the text handling (random
+  byte tokens, CJK, emoji) for every distribution and drafter choice, and check
+  streaming, batching, seeding and config errors quickly.
+* Real-model tests (``real`` mark) check equivalence with greedy ``generate`` and run the
+  bundled pair over varied prompts. Every SAFE run checks the invariants after each round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ensemble_core import Member
+from ensemble_core.alignment import decode, is_common_boundary, tokenize
+from ensemble_core.baselines import EveryTokenConfig, EveryTokenEnsemble
+from ensemble_core.ensemble import Ensemble
+from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
+from ensemble_core.generation import GenerationResult
+from ensemble_core.safe import SafeConfig, SafeEnsemble, SafeRequest, response_lead
+
+FFFD = "\ufffd"
+
+
+# ============================================================================ helpers
+class ScriptedLM(torch.nn.Module):
+    """A causal LM that writes ``script`` (a text) with probability ``confidence`` per token.
+
+    The forward pass and the KV cache are a tiny real model's, so the core's incremental
+    decoding, cropping and re-encoding run for real; each returned row is replaced by a
+    distribution with ``confidence`` on the first token (in this model's own tokenizer)
+    of what remains of the script after the reply so far, and on EOS once the reply is
+    complete or has left the script. The reply is read back from the ids as text, so the
+    model follows the script whatever tokenization the ensemble committed.
+    """
+
+    def __init__(self, inner: Any, tokenizer: Any, script: str, confidence: float, marker: str) -> None:
+        super().__init__()
+        self.inner, self.tokenizer, self.script, self.marker = inner, tokenizer, script, marker
+        self.confidence = confidence
+        self.config = inner.config
+        self.generation_config = inner.generation_config
+        self._ids: list[int] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    def get_output_embeddings(self) -> Any:
+        return self.inner.get_output_embeddings()
+
+    def next_token(self, ids: list[int]) -> int:
+        reply = self.tokenizer.decode(ids, skip_special_tokens=False).rsplit(self.marker, 1)[-1]
+        rest = self.script[len(reply):] if self.script.startswith(reply) else ""
+        return self.tokenizer(rest, add_special_tokens=False)["input_ids"][0] if rest else self.tokenizer.eos_token_id
+
+    def forward(self, input_ids: torch.Tensor, cache: Any = None, **kwargs: Any) -> Any:
+        past = cache.get_seq_length() if cache is not None else 0
+        self._ids = self._ids[:past] + input_ids[0].tolist()
+        out = self.inner(input_ids=input_ids, cache=cache, **kwargs)
+        rows, vocab = out.logits.shape[1], out.logits.shape[2]
+        rest = torch.log(torch.tensor(max((1 - self.confidence) / (vocab - 1), 1e-12)))
+        logits = torch.full_like(out.logits, float(rest))
+        for r in range(rows):
+            logits[0, r, self.next_token(self._ids[: len(self._ids) - rows + r + 1])] = float(torch.log(
+                torch.tensor(self.confidence)))
+        out.logits = logits
+        return out
+
+
+def scripted(base: Member, script: str, confidence: float) -> Member:
+    chatml = base.tokenizer.chat_template is not None
+    marker = "<|im_start|>assistant\n" if chatml else "Assistant:"
+    return Member(ScriptedLM(base.model, base.tokenizer, script, confidence, marker), base.tokenizer,
+                  name=f"scripted-{base.name}")
+
+
+def check_round(method: SafeEnsemble, request: SafeRequest, delta: str) -> None:
+    """SAFE's invariants after a round."""
+    c = request.counters
+    assert FFFD not in delta and FFFD not in request.text
+    assert c.accepted + c.replaced == c.drafted
+    view = request.views[request.drafter]
+    if len(view.tokens):
+        assert view.tokens.text == view.lead + request.text
+    else:
+        assert request.text == ""
+    assert view.state.ids[view.state.prompt_len:] == list(view.tokens.ids)  # cropped to the committed text
+    assert decode(view.member.tokenizer, view.tokens.ids) == view.tokens.text
+    assert len(view.tokens) <= request.config.max_new_tokens
+
+
+def checked(method: SafeEnsemble) -> SafeEnsemble:
+    """Check the invariants after every round of ``method`` (wraps its ``step``)."""
+    original = method.step
+
+    def step(request: SafeRequest) -> Any:
+        chunk = original(request)
+        check_round(method, request, chunk.text)
+        return chunk
+
+    method.step = step  # type: ignore[method-assign]
+    return method
+
+
+def check_result(result: GenerationResult, max_new_tokens: int) -> None:
+    s = result.stats
+    assert FFFD not in result.text
+    assert s["accepted"] + s["replaced"] == s["drafted"]
+    assert s["e_t"] == pytest.approx(s["ensembled"] / s["tokens"] if s["tokens"] else 0.0)
+    assert 0 <= s["ensembled"] <= s["drafted"] and s["tokens"] <= max_new_tokens  # one point per drafted token
+    assert s["rounds"] >= 1 and [m["role"] for m in s["members"]].count("drafter") == 1
+    assert result.finish_reason in ("stop", "length", "eos")
+
+
+# ============================================================================ config
+@pytest.mark.parametrize("option, value", [
+    ("drafter", -1), ("drafter", "0"), ("lookahead", 0), ("lookahead", True), ("distribution", "mean"),
+    ("top_k", 0), ("consensus_threshold", 1.5), ("consensus_threshold", "high"), ("sharpening", "max"),
+    ("margin", -1), ("max_new_tokens", 0),
+])
+def test_bad_config_values_raise_typed_errors(option: str, value: Any) -> None:
+    with pytest.raises(InvalidOptionError) as err:
+        SafeConfig(**{option: value})
+    assert err.value.option == option
+
+
+def test_defaults_and_member_checks(tiny_llama: Member, tiny_gemma: Member) -> None:
+    c = SafeConfig()
+    assert (c.drafter, c.lookahead, c.distribution, c.top_k, c.consensus_threshold, c.sharpening, c.margin) == (
+        0, 5, "unite", 10, 0.5, "heuristic", 5)
+    assert not c.do_sample
+    with pytest.raises(InvalidOptionError):
+        SafeEnsemble([tiny_llama, tiny_gemma], drafter=2)
+    with pytest.raises(NoMembersError):
+        SafeEnsemble([tiny_llama])
+    with pytest.raises(ConfigurationError):
+        SafeEnsemble([tiny_llama, tiny_gemma], lookahaed=3)  # misspelt option
+    with pytest.raises(InvalidOptionError):
+        SafeEnsemble([tiny_llama, tiny_gemma]).generate("Hi", drafter=3)
+    with pytest.raises(InvalidOptionError):
+        EveryTokenConfig(distribution="max")
+    with pytest.raises(InvalidOptionError):
+        EveryTokenConfig(margin=-2)
+    assert isinstance(Ensemble([tiny_llama, tiny_gemma], method="safe").method, SafeEnsemble)
+    assert isinstance(Ensemble([tiny_llama, tiny_gemma], method="every-token").method, EveryTokenEnsemble)
+
+
+def test_reply_lead_comes_from_the_template(tiny_llama: Member, tiny_gemma: Member) -> None:
+    assert response_lead(tiny_llama, "Hi") == ""  # ChatML: "<|im_start|>assistant\n" + reply
+    assert response_lead(tiny_gemma, "Hi") == " "  # fallback transcript: "Assistant:" + " " + reply
+
+
+# ============================================================================ scripted members
+def test_stability_refuses_the_point_after_inc(tiny_llama: Member, tiny_gemma: Member) -> None:
+    # The real tokenizers: SmolLM2 " Inc|orrect", Gemma " Incorrect".
+    smol, gemma = tokenize(tiny_llama.tokenizer, "That is Incorrect."), tokenize(tiny_gemma.tokenizer, "That is Incorrect.")
+    assert smol.is_boundary(11) and not is_common_boundary(11, [gemma])  # after "That is Inc"
+    assert all(is_common_boundary(o, [smol, gemma]) for o in (0, 4, 7, 17, 18))
+
+    drafter = scripted(tiny_llama, "That is Incorrect.", confidence=0.6)
+    verifier = scripted(tiny_gemma, " That is Incorrect.", confidence=0.6)
+    method = checked(SafeEnsemble([drafter, verifier], consensus_threshold=1.0, max_new_tokens=20))
+    result = method.generate("Is 2 + 2 = 5?")
+    assert result.text == "That is Incorrect." and result.finish_reason == "eos"
+    s = result.stats
+    # points: before That, is, Inc, orrect, ".", EOS; the one before "orrect" is OOV-like for Gemma
+    assert (s["skipped_oov"], s["skipped_consensus"], s["ensembled"]) == (1, 5, 0)
+    assert (s["drafted"], s["accepted"], s["tokens"], s["rounds"]) == (6, 6, 5, 2)
+
+
+def test_ensembles_at_a_shared_boundary_and_can_overrule_the_drafters_eos(tiny_llama: Member,
+                                                                          tiny_gemma: Member) -> None:
+    drafter = scripted(tiny_llama, "That is Incorrect.", confidence=0.6)
+    verifier = scripted(tiny_gemma, " That is wrong.", confidence=0.9)
+    method = checked(SafeEnsemble([drafter, verifier], max_new_tokens=20))
+    result = method.generate("Is 2 + 2 = 5?")
+    # after "That is" the members disagree (average 0.3 < 0.5): fused " wrong" 0.45 beats " Inc" 0.3;
+    # then the drafter (off its script) wants EOS with 0.6, the verifier "." with 0.9: "." wins.
+    assert result.text == "That is wrong." and result.finish_reason == "eos"
+    s = result.stats
+    assert s["ensembled"] == 2 and s["skipped_oov"] == 0
+    assert s["tokens"] == len(tiny_llama.tokenizer("That is wrong.", add_special_tokens=False)["input_ids"])
+    check_result(result, 20)
+
+
+def test_gac_variant_skips_where_the_drafter_is_confident(tiny_llama: Member, tiny_gemma: Member) -> None:
+    drafter = scripted(tiny_llama, "That is Incorrect.", confidence=0.6)
+    verifier = scripted(tiny_gemma, " That is wrong.", confidence=0.9)
+    result = checked(SafeEnsemble([drafter, verifier], distribution="gac", max_new_tokens=20)).generate("Is 2 + 2 = 5?")
+    assert result.text == "That is Incorrect." and result.stats["ensembled"] == 0  # drafter p = 0.6 >= 0.5
+
+
+# ============================================================================ tiny random members
+PROMPTS = ["Say 東京 and 😀 twice.", "Write a Python function that adds two numbers.", "Wie heißt du?"]
+
+
+@pytest.mark.parametrize("distribution", ["unite", "gac"])
+@pytest.mark.parametrize("drafter", [0, 1])
+def test_random_members_never_commit_broken_text(tiny_llama: Member, tiny_gemma: Member, distribution: str,
+                                                 drafter: int) -> None:
+    method = checked(SafeEnsemble([tiny_llama, tiny_gemma], drafter=drafter, distribution=distribution,
+                                  consensus_threshold=1.0, max_new_tokens=12))
+    result = method.generate(PROMPTS[0])
+    check_result(result, 12)
+    assert result.stats["ensembled"] > 0  # random members disagree everywhere
+
+
+def test_streaming_equals_generate_and_batch_equals_one_by_one(tiny_llama: Member, tiny_gemma: Member) -> None:
+    method = checked(SafeEnsemble([tiny_llama, tiny_gemma], consensus_threshold=1.0, max_new_tokens=8))
+    singles = [method.generate(p) for p in PROMPTS]
+    for prompt, single in zip(PROMPTS, singles):
+        stream = method.stream(prompt)
+        deltas = list(stream)
+        assert "".join(deltas) == single.text == stream.result.text
+        assert stream.result.stats == {**single.stats, "members": stream.result.stats["members"]}
+    assert [r.text for r in method.batch(PROMPTS)] == [r.text for r in singles]
+
+
+def test_sampling_is_reproducible_under_a_seed(tiny_llama: Member, tiny_gemma: Member) -> None:
+    method = checked(SafeEnsemble([tiny_llama, tiny_gemma], max_new_tokens=6, do_sample=True, temperature=5.0))
+    a, b = method.generate("Hi", seed=7), method.generate("Hi", seed=7)
+    assert a.text == b.text and a.stats["drafted"] == b.stats["drafted"]
+    assert method.generate("Hi", seed=8).text != a.text  # 6 tokens drawn from ~50k-way distributions
+
+
+@pytest.mark.parametrize("distribution", ["unite", "gac"])
+def test_every_token_baseline(tiny_llama: Member, tiny_gemma: Member, distribution: str) -> None:
+    method = EveryTokenEnsemble([tiny_llama, tiny_gemma], distribution=distribution, max_new_tokens=6)
+    result = method.generate(PROMPTS[0])
+    assert FFFD not in result.text and result.stats["ensembled"] >= 1
+    assert result.stats["members"][0]["forward_passes"] == result.stats["members"][1]["forward_passes"]
+    assert "".join(method.stream(PROMPTS[0])) == result.text
+    assert [r.text for r in method.batch(PROMPTS[:1])] == [result.text]
+
+
+# ============================================================================ real models
+def greedy_ids(member: Member, prompt: str, max_new_tokens: int) -> list[int]:
+    ids = member.encode_prompt(member.render(prompt))
+    with torch.inference_mode():
+        out = member.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[0, len(ids):].tolist()
+    return [t for t in new if t not in member.eos_token_ids]
+
+
+def drive(method: SafeEnsemble, prompt: str) -> SafeRequest:
+    """Run a request round by round (checking invariants) and return it."""
+    request = method.begin(prompt, method.config)
+    while True:
+        chunk = method.step(request)
+        check_round(method, request, chunk.text)
+        if chunk.done:
+            return request
+
+
+@pytest.mark.real
+def test_threshold_zero_reproduces_the_drafters_greedy_tokens(real_pair: list[Member]) -> None:
+    prompt = "Name three primary colors."
+    method = SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=32)
+    request = drive(method, prompt)
+    assert list(request.views[0].tokens.ids) == greedy_ids(real_pair[0], prompt, 32)
+    assert request.counters.ensembled == 0
+
+
+@pytest.mark.real
+def test_two_copies_of_a_model_equal_its_greedy_output(smollm2: Member) -> None:
+    prompt = "What is the capital of Italy?"
+    request = drive(SafeEnsemble([smollm2, smollm2], max_new_tokens=32), prompt)
+    assert list(request.views[0].tokens.ids) == greedy_ids(smollm2, prompt, 32)
+    # The drafter may write a non-canonical split (" Cor|io|b|ella" where re-encoding gives
+    # " Cor|i|ob|ella"), so the verifier twin can disagree and points get ensembled; the fused
+    # distribution of twins still picks the drafter's tokens: nothing is ever replaced.
+    assert request.counters.replaced == 0
+
+
+VARIED = [
+    "My name is Zoë Ångström-Nakamura. Repeat my name.",
+    "What is 17 times 23?",
+    "Convert 3.5 km to meters.",
+    "Traduis en français : the cat sleeps on the sofa.",
+    "¿Cuál es la capital de España?",
+    "東京について一文で説明してください。",
+    "Write one sentence with a smiley emoji 😀 in it.",
+    "Write a Python function is_even(n).",
+    "Привет! Как дела?",
+    "List the first five prime numbers.",
+]
+
+
+@pytest.mark.real
+def test_real_pair_on_varied_prompts(real_pair: list[Member]) -> None:
+    totals = {"ensembled": 0, "tokens": 0}
+    for i, prompt in enumerate(VARIED):
+        method = checked(SafeEnsemble(real_pair, drafter=i % 2, distribution="gac" if i % 3 == 2 else "unite",
+                                      max_new_tokens=16))
+        result = method.generate(prompt)
+        check_result(result, 16)
+        assert result.text.strip(), prompt
+        totals["ensembled"] += result.stats["ensembled"]
+        totals["tokens"] += result.stats["tokens"]
+    assert totals["ensembled"] < totals["tokens"]  # selective: not every token is ensembled
+
+
+@pytest.mark.real
+def test_real_streaming_equals_generate(real_pair: list[Member]) -> None:
+    method = checked(SafeEnsemble(real_pair, drafter=1, max_new_tokens=12))
+    prompt = "Give two fruits, one per line."
+    stream = method.stream(prompt)
+    assert "".join(stream) == method.generate(prompt).text == stream.result.text
