@@ -147,3 +147,109 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
                 "scores": [[round(s, 6) for s in row] for row in request.scores],
                 "verifiers": [names[i] for i in request.verifiers],
                 "seconds": {k: round(v, 4) for k, v in request.seconds.items()}}
+
+
+# --------------------------------------------------------------------------- every-token ensemble
+# Appended block: its imports live here so that this baseline stays one self-contained edit.
+from .alignment import DEFAULT_MARGIN, Tokenized, encode_continuation  # noqa: E402
+from .distributions import (  # noqa: E402
+    Distribution,
+    EndOfText,
+    check_fusion_options,
+    make_distribution,
+    sharpen,
+)
+from .errors import InvalidOptionError  # noqa: E402
+from .safe import EMPTY, response_lead  # noqa: E402
+
+
+@dataclass(frozen=True)
+class EveryTokenConfig(GenerationConfig):
+    """Every-token ensembling options: the fusion rule (``"unite"`` or ``"gac"``), its
+    ``top_k``, ``sharpening`` (``"none"`` by default: the published baselines do not
+    sharpen) and the ``margin`` of tokens re-encoded behind the end of the text."""
+
+    distribution: str = "unite"
+    top_k: int = 10
+    sharpening: str = "none"
+    margin: int = DEFAULT_MARGIN
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_fusion_options(self.distribution, self.top_k, self.sharpening)
+        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
+            raise InvalidOptionError("margin", self.margin, "an integer >= 0")
+
+
+@dataclass
+class _EveryTokenRequest:
+    states: list[DecodeState]
+    leads: list[str]
+    tokens: list[Tokenized]
+    config: EveryTokenConfig
+    fusion: Distribution
+    generator: torch.Generator | None
+    text: str = ""
+    ensembled: int = 0
+
+
+class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
+    """UniTE / GaC at every step, with no stability check: the baseline SAFE fixes.
+
+    Each step every member re-encodes the end of its text (its reply lead + the shared
+    text), runs one forward pass over what changed, and the fused distribution picks the
+    next string (:mod:`~ensemble_core.distributions`, the same code as SAFE's). Every
+    member runs every step, and a member asked right after a boundary it would not have
+    made (``Inc|orrect`` for a ``Incorrect`` tokenizer) contributes a poor distribution.
+    ``max_new_tokens`` counts the first member's tokens; the last string may overshoot it
+    by the few extra tokens it spans.
+    """
+
+    name = "every-token"
+    config_class = EveryTokenConfig
+    min_members = 2
+
+    def __init__(self, members: Any, config: EveryTokenConfig | None = None, **options: Any) -> None:
+        super().__init__(members, config, **options)
+        self._fusions: dict[tuple[str, int], Distribution] = {}
+
+    def begin(self, prompt: Prompt, config: EveryTokenConfig) -> _EveryTokenRequest:
+        key = (config.distribution, config.top_k)
+        if key not in self._fusions:
+            self._fusions[key] = make_distribution(config.distribution, self.members, config.top_k)
+        states = [m.start(prompt, config.max_new_tokens) for m in self.members]
+        return _EveryTokenRequest(states, [response_lead(m, prompt) for m in self.members], [EMPTY] * len(states),
+                                  config, self._fusions[key], make_generator(config))
+
+    def step(self, request: _EveryTokenRequest) -> Chunk:
+        config = request.config
+        at_start = not request.text
+        encoded = []
+        for i, (member, lead) in enumerate(zip(self.members, request.leads)):
+            text = "" if at_start else lead + request.text
+            encoded.append(encode_continuation(member.tokenizer, text, request.tokens[i], config.margin))
+        if len(encoded[0][1]) >= config.max_new_tokens:
+            return Chunk("", done=True, finish_reason="length")
+        probs = []
+        for i, (state, (keep, tokens)) in enumerate(zip(request.states, encoded)):
+            state.crop(state.prompt_len + keep)
+            probs.append(torch.softmax(state.score(tokens.ids[keep:])[-1].float(), dim=-1))
+            request.tokens[i] = tokens
+        prefixes = [lead.encode("utf-8") if at_start else b"" for lead in request.leads]
+        candidates = request.fusion.fuse(probs, drafter=0, prefixes=prefixes)
+        key = candidates.keys[choose_token(sharpen(candidates, config.sharpening), config, request.generator)]
+        if isinstance(key, EndOfText):
+            return Chunk("", done=True, finish_reason="eos")
+        piece = key.decode("utf-8")
+        request.text += piece
+        request.ensembled += 1
+        return Chunk(piece)
+
+    def stats(self, request: _EveryTokenRequest) -> dict[str, Any]:
+        tokens = self.members[0].count_tokens(request.text) if request.text else 0
+        return {"method": self.name, "distribution": request.config.distribution, "tokens": tokens,
+                "ensembled": request.ensembled, "ensembled_tokens": request.ensembled,
+                "e_t": request.ensembled / tokens if tokens else 0.0, "rounds": request.ensembled,
+                "members": [{"name": s.member.name, "forward_passes": s.stats.forward_passes,
+                             "tokens_fed": s.stats.tokens_fed, "seconds": round(s.stats.seconds, 4),
+                             "reprefills": s.stats.reprefills} for s in request.states]}
