@@ -126,13 +126,15 @@ def cache_branch(state: DecodeState) -> Iterator[None]:
         if getattr(layer, "is_sliding", False) and not getattr(layer, "record_past", True):
             raise UnsupportedModelError("A sliding-window cache layer without past recording cannot be branched exactly.")
         keys = getattr(layer, "keys", None)
-        length = keys.shape[-2] if getattr(layer, "is_initialized", False) and keys is not None else None
+        filled = getattr(layer, "is_initialized", False) and keys is not None and keys.dim() >= 2
+        length = keys.shape[-2] if filled else 0
         marks.append((layer, length, getattr(layer, "cumulative_length", None)))
     try:
         yield
     finally:
         for layer, length, cumulative in marks:
-            if length is not None:
+            keys = getattr(layer, "keys", None)
+            if getattr(layer, "is_initialized", False) and keys is not None and keys.dim() >= 2:
                 layer.keys = layer.keys[..., :length, :]
                 layer.values = layer.values[..., :length, :]
             if cumulative is not None:

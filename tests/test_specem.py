@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from ensemble_core import ConfigurationError, Ensemble, InvalidOptionError, Member, NoMembersError
 from ensemble_core.baselines import GenerateThenSelect, SingleModel
@@ -20,7 +21,7 @@ from ensemble_core.specem import (
     postprocess_segment,
     select_candidate,
 )
-from ensemble_core.testing import tiny_member
+from ensemble_core.testing import tiny_config
 from ensemble_core.verify_inline import (
     UnsupportedAttentionError,
     score_candidates_inline,
@@ -33,9 +34,8 @@ PROMPT = "Natalia sold clips to 48 of her friends in April, and then half as man
 # ----------------------------------------------------------------------------- helpers
 def scratch_scores(member: Member, context: list[int], cand: list[int], end: bool, kind: str) -> torch.Tensor:
     """Scores of one candidate from a plain, cache-free forward pass over context + candidate."""
-    with torch.inference_mode():
-        logits = member.model(input_ids=torch.tensor([context + cand])).logits[0].float()
-    rows = logits[len(context) - 1:]
+    with torch.inference_mode():  # only the rows that predict the candidate (and its end)
+        rows = member.model(input_ids=torch.tensor([context + cand]), logits_to_keep=len(cand) + 1).logits[0].float()
     values = []
     if cand:
         r = torch.log_softmax(rows[: len(cand)], -1) if kind == "logprob" else rows[: len(cand)]
@@ -49,7 +49,7 @@ def scratch_scores(member: Member, context: list[int], cand: list[int], end: boo
 
 def last_row(member: Member, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return member.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        return member.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()
 
 
 def assert_inline_exact(member: Member, context: list[int], cands: list[list[int]], ends: list[bool],
@@ -63,11 +63,19 @@ def assert_inline_exact(member: Member, context: list[int], cands: list[list[int
         assert [len(v) for v in inline] == [len(c) + e for c, e in zip(cands, ends)]
         for a, b in zip(inline, alone):
             assert torch.allclose(a, b, atol=1e-4, rtol=0), (kind, (a - b).abs().max())
-        if scratch:
+        if scratch and kind == kinds[0]:  # the kinds differ only in the final gather
             for a, c, e in zip(inline, cands, ends):
                 assert torch.allclose(a, scratch_scores(member, context, c, e, kind), atol=1e-4, rtol=0), kind
     assert (list(state.ids), state.cached, state.cache.get_seq_length()) == before  # cache restored exactly
     assert torch.allclose(state.score([77])[-1], last_row(member, context + [77]), atol=1e-4)
+
+
+def tiny(like: Member, seed: int, name: str | None = None, **overrides) -> Member:
+    """A random-weight member with ``like``'s architecture family and (already loaded) tokenizer."""
+    alias = "gemma3-270m" if "gemma" in type(like.model).__name__.lower() else "smollm2-135m-instruct"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(alias, like.tokenizer, **overrides), dtype=torch.float32)
+    return Member(model.eval().requires_grad_(False), like.tokenizer, name=name or f"tiny-{alias}-{seed}")
 
 
 def random_ids(n: int, seed: int, lo: int = 200, hi: int = 5000) -> list[int]:
@@ -140,9 +148,9 @@ def test_selection_is_weighted_vote() -> None:
 
 # ----------------------------------------------------------------------------- verify in line (tiny)
 @pytest.mark.parametrize("context_len", [6, 30])
-def test_inline_exact_on_tiny_sliding_window(context_len: int) -> None:
+def test_inline_exact_on_tiny_sliding_window(context_len: int, tiny_gemma: Member) -> None:
     """Window 8: contexts and candidates longer than the window still score exactly."""
-    member = tiny_member("gemma3-270m", seed=1, layers=3, sliding_window=8,
+    member = tiny(tiny_gemma, seed=1, layers=3, sliding_window=8,
                          layer_types=["sliding_attention", "sliding_attention", "full_attention"])
     cands = [random_ids(n, seed=n) for n in (1, 3, 7, 12, 0)]
     assert_inline_exact(member, random_ids(context_len, 0), cands, [False, True, False, True, True])
@@ -152,9 +160,9 @@ def test_inline_exact_on_tiny_llama(tiny_llama: Member) -> None:
     assert_inline_exact(tiny_llama, random_ids(9, 3), [random_ids(n, 10 + n) for n in (5, 2, 9)], [False, False, True])
 
 
-def test_inline_after_rollbacks_keeps_decode_state_exact() -> None:
+def test_inline_after_rollbacks_keeps_decode_state_exact(tiny_gemma: Member) -> None:
     """Branches must not trim sliding layers behind DecodeState's back (it may still crop later)."""
-    member = tiny_member("gemma3-270m", seed=2, layers=2, sliding_window=8,
+    member = tiny(tiny_gemma, seed=2, layers=2, sliding_window=8,
                          layer_types=["sliding_attention", "full_attention"])
     state = member.start_from_ids(random_ids(20, 1))
     state.score()
@@ -167,10 +175,10 @@ def test_inline_after_rollbacks_keeps_decode_state_exact() -> None:
     assert state.stats.reprefills == 0
 
 
-def test_flash_attention_verifier_is_refused() -> None:
-    fa = tiny_member("smollm2-135m-instruct", seed=3, name="fa2")
+def test_flash_attention_verifier_is_refused(tiny_llama: Member, tiny_gemma: Member) -> None:
+    fa = tiny(tiny_llama, seed=3, name="fa2")
     fa.model.config._attn_implementation = "flash_attention_2"
-    other = tiny_member("gemma3-270m", seed=3)
+    other = tiny_gemma
     with pytest.raises(UnsupportedAttentionError, match="sdpa"):
         SpecEMEnsemble([fa, other])
     with pytest.raises(UnsupportedAttentionError):
@@ -210,8 +218,8 @@ def test_bad_configs_against_members(tiny_llama: Member, tiny_gemma: Member) -> 
 
 # ----------------------------------------------------------------------------- the method on tiny members
 @pytest.fixture(scope="module")
-def tiny_pair() -> list[Member]:
-    return [tiny_member("smollm2-135m-instruct", seed=5), tiny_member("gemma3-270m", seed=5)]
+def tiny_pair(tiny_llama: Member, tiny_gemma: Member) -> list[Member]:
+    return [tiny(tiny_llama, seed=5), tiny(tiny_gemma, seed=5)]
 
 
 def test_stream_equals_generate_and_batch_equals_one_by_one(tiny_pair: list[Member]) -> None:
@@ -234,8 +242,15 @@ def test_stream_equals_generate_and_batch_equals_one_by_one(tiny_pair: list[Memb
         assert set(s["seconds"]) == {"draft", "verify", "update"}
 
 
+def test_threads_give_the_same_result(tiny_pair: list[Member]) -> None:
+    """Members on several devices draft / verify in threads; the outcome must not depend on it."""
+    options = dict(max_new_tokens=16, segment_length=4)
+    threaded = SpecEMEnsemble(tiny_pair, parallel=True, **options).generate("Hello there")
+    assert threaded.text == SpecEMEnsemble(tiny_pair, parallel=False, **options).generate("Hello there").text
+
+
 def test_tracks_stay_in_sync_with_a_verifier_only_member(tiny_pair: list[Member]) -> None:
-    judge = tiny_member("gemma3-270m", seed=6, name="judge")
+    judge = tiny(tiny_pair[1], seed=6, name="judge")
     method = SpecEMEnsemble([*tiny_pair, judge], drafters=[0, 1], max_new_tokens=30, segment_length=5)
     request = method.begin("Count to ten.", method.config)
     for _ in range(4):
@@ -254,7 +269,7 @@ def test_tracks_stay_in_sync_with_a_verifier_only_member(tiny_pair: list[Member]
 
 
 def test_hedge_off_keeps_weights_uniform(tiny_pair: list[Member]) -> None:
-    third = tiny_member("smollm2-135m-instruct", seed=7)
+    third = tiny(tiny_pair[0], seed=7)
     result = SpecEMEnsemble([*tiny_pair, third], hedge=False, max_new_tokens=24, segment_length=4).generate("Hi")
     assert result.stats["rounds"] >= 2
     assert all(w == pytest.approx([1 / 3] * 3) for w in result.stats["weight_trajectory"])
@@ -313,7 +328,7 @@ def test_inline_exact_on_gemma_past_its_sliding_window(gemma3: Member) -> None:
 @pytest.mark.real
 def test_useless_member_loses_hedge_weight(smollm2: Member) -> None:
     copy = Member(smollm2.model, smollm2.tokenizer, name="smollm2-copy")
-    useless = tiny_member("smollm2-135m-instruct", seed=0, name="random-weights")
+    useless = tiny(smollm2, seed=0, name="random-weights")  # same tokenizer, random weights
     result = SpecEMEnsemble([smollm2, copy, useless], max_new_tokens=30).generate(PROMPT)
     stats = result.stats
     weights = [w[2] for w in stats["weight_trajectory"]]
