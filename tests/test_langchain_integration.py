@@ -33,6 +33,13 @@ def chat() -> ChatEnsemble:
     return ChatEnsemble(members=PAIR, method=METHOD, max_tokens=MAX_TOKENS)
 
 
+def test_defaults_and_model_string_share_the_loaded_ensemble(chat: ChatEnsemble) -> None:
+    default = ChatEnsemble(method=METHOD)
+    assert default.members is None and default.model_name == "+".join(PAIR)
+    assert default._core_ensemble() is chat._core_ensemble()
+    assert ChatEnsemble(model="+".join(PAIR), method=METHOD)._core_ensemble() is chat._core_ensemble()
+
+
 def test_lcel_chain_invoke_and_batch(chat: ChatEnsemble) -> None:
     prompt = ChatPromptTemplate.from_messages([("system", "Answer in one short sentence."), ("human", "{question}")])
     chain = prompt | chat | StrOutputParser()
@@ -101,12 +108,11 @@ async def test_astream_leaves_the_event_loop_free(chat: ChatEnsemble) -> None:
 def test_llm_invoke_stream_batch_with_callbacks() -> None:
     llm = EnsembleLLM(members=PAIR, method=METHOD, max_tokens=6)
     counter = TokenCounter()
-    text = llm.invoke("Name a fruit.", config={"callbacks": [counter]})
-    assert text.strip() and counter.tokens == []
+    texts = llm.batch(["Name a fruit.", "Name a color."], config={"callbacks": [counter]})
+    assert len(texts) == 2 and all(t.strip() for t in texts) and counter.tokens == []  # not streaming: no tokens
     pieces = list(llm.stream("Name a fruit.", config={"callbacks": [counter]}))
-    assert "".join(pieces) == text and counter.tokens == pieces and len(pieces) >= 2
+    assert "".join(pieces) == texts[0] and counter.tokens == pieces and len(pieces) >= 2
     streaming = EnsembleLLM(members=PAIR, method=METHOD, max_tokens=6, streaming=True)
     counter = TokenCounter()
-    results = streaming.batch(["Name a fruit.", "Name a color."], config={"callbacks": [counter]})
-    assert results[0] == text and results[1].strip()
-    assert "".join(counter.tokens) == "".join(results)  # every streamed chunk reported exactly once
+    assert streaming.invoke("Name a color.", config={"callbacks": [counter]}) == texts[1]
+    assert "".join(counter.tokens) == texts[1] and len(counter.tokens) >= 2  # each streamed chunk reported once

@@ -126,6 +126,16 @@ def test_standard_params_map_onto_core_overrides(pair) -> None:
         chat._prepare("hi", None, {"tools": []})
 
 
+def test_sampling_with_a_seed_is_reproducible(pair) -> None:
+    sampled = ChatEnsemble(members=pair, method="single", max_tokens=8, temperature=1.5, seed=7)
+    first = sampled.invoke("Hello")
+    assert sampled.invoke("Hello").content == first.content
+    assert sampled._core_ensemble().config.do_sample is False  # sampling is per call, the shared config is untouched
+    greedy = ChatEnsemble(members=pair, method="single", max_tokens=8).invoke("Hello")
+    others = {sampled.invoke("Hello", seed=s).content for s in (1, 2, 3)}
+    assert others - {greedy.content}, "temperature > 0 must sample, not decode greedily"
+
+
 def test_ls_params_and_profile(chat) -> None:
     params = chat._get_ls_params(stop=["z"], temperature=0.3)
     assert params == {"ls_provider": "ensemble", "ls_model_name": chat.model_name, "ls_model_type": "chat",
@@ -222,6 +232,19 @@ def test_streaming_flag_routes_invoke_through_stream(pair) -> None:
     assert result.usage_metadata["output_tokens"] > 0
 
 
+async def test_llm_async_paths(pair) -> None:
+    llm = EnsembleLLM(members=pair, method="single", max_tokens=5)
+    text = llm.invoke("Hello")
+    assert await llm.ainvoke("Hello") == text
+    counter = TokenCounter()
+    pieces = [p async for p in llm.astream("Hello", config={"callbacks": [counter]})]
+    assert "".join(pieces) == text and counter.tokens == pieces
+    streaming = EnsembleLLM(members=pair, method="single", max_tokens=5, streaming=True)
+    counter = TokenCounter()
+    assert await streaming.abatch(["Hello", "Hello"], config={"callbacks": [counter]}) == [text, text]
+    assert "".join(counter.tokens) == text * 2
+
+
 async def test_async_paths_match_sync(chat) -> None:
     expected = chat.invoke("Hello").content
     assert (await chat.ainvoke("Hello")).content == expected
@@ -243,6 +266,10 @@ def test_llm_invoke_stream_batch_with_callbacks(pair) -> None:
     usage = result.llm_output["token_usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
     assert result.generations[0][0].generation_info["usage_metadata"]["output_tokens"] > 0
+    streaming = EnsembleLLM(members=pair, method="single", max_tokens=5, streaming=True)
+    counter = TokenCounter()
+    assert streaming.invoke("Hello", config={"callbacks": [counter]}) == text and "".join(counter.tokens) == text
+    assert len(counter.tokens) >= 2
 
 
 # ---------------------------------------------------------------- timeout and cancellation

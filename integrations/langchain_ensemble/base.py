@@ -38,7 +38,7 @@ from typing import Any
 from langchain_core.utils.pydantic import get_fields
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator
 
-from ensemble_core import ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, method_class
+from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, method_class
 from ensemble_core.chat import Prompt
 
 from .registry import get_ensemble
@@ -161,8 +161,8 @@ class EnsembleFields(BaseModel):
                 self._core = self.ensemble
             else:
                 members = self.members
-                if members is None and self.model_name is not None:
-                    members = split_model(self.model_name)
+                if members is None:  # spelled out, so that the default shares the cache entry of the same list
+                    members = split_model(self.model_name) if self.model_name is not None else list(DEFAULT_MEMBERS)
                 self._core = get_ensemble(members, self.method, self.method_config, self.member_options)
         return self._core
 
