@@ -53,6 +53,7 @@ from .chat import Prompt
 from .errors import ConfigurationError, InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
 from .members import DecodeState, Member
+from .safe import response_lead  # the same reply lead as SAFE (derived from the chat template)
 from .verify_inline import SCORING_KINDS, branch_step, cache_branch, check_verifier, score_candidates_inline
 
 NORMALIZATIONS = ("softmax", "minmax", "none")
@@ -272,17 +273,12 @@ class Candidate:
         return self.end is not None
 
 
-def _lead(member: Member, prompt: Prompt) -> str:
-    rendered = member.render(prompt)
-    return " " if rendered and not rendered[-1].isspace() else ""
-
-
 def start_tracks(members: Sequence[Member], prompt: Prompt, config: GenerationConfig) -> list[Track]:
     """A fresh track per member (raises PromptTooLongError like ``Member.start``)."""
     tracks = []
     for i, m in enumerate(members):
         seeded = config.replace(seed=config.seed + i) if config.do_sample and config.seed is not None else config
-        tracks.append(Track(m, m.start(prompt, config.max_new_tokens), _lead(m, prompt),
+        tracks.append(Track(m, m.start(prompt, config.max_new_tokens), response_lead(m, prompt),
                             alignment.tokenize(m.tokenizer, ""), make_generator(seeded)))
     return tracks
 
