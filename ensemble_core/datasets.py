@@ -202,12 +202,12 @@ def arith_problems(n: int = 500, seed: int = ARITH_SEED, max_value: int = ARITH_
         items = rng.choice(_ITEMS)
         a, b = rng.randint(2, max_value), rng.randint(2, max_value)
         if rng.random() < 0.5:
-            template, answer = rng.choice(_ADD), a + b
+            template, answer, op = rng.choice(_ADD), a + b, "+"
         else:
             a, b = max(a, b), min(a, b)
-            template, answer = rng.choice(_SUB), a - b
+            template, answer, op = rng.choice(_SUB), a - b, "-"
         question = template.format(name=name, Pron=pron.capitalize(), a=a, b=b, items=items)
-        problems.append(Problem(f"arith-{i}", question, str(answer)))
+        problems.append(Problem(f"arith-{i}", question, str(answer), f"{a} {op} {b} = {answer}.\n#### {answer}"))
     return problems
 
 
@@ -249,7 +249,8 @@ def cot_prompt(question: str, shots: list[Problem] | tuple[Problem, ...] = ()) -
     """
     messages: list[dict[str, str]] = []
     for shot in shots:
-        solution = re.sub(r"<<[^>]*>>", "", shot.solution).rpartition("####")[0].strip()
+        solution = re.sub(r"<<[^>]*>>", "", shot.solution)
+        solution = (solution.rpartition("####")[0] if "####" in solution else solution).strip()
         body = (solution + "\n" if solution else "") + f"The answer is {shot.answer}."
         messages.append({"role": "user", "content": f"{COT_INSTRUCTION}\n\nQuestion: {shot.question}"})
         messages.append({"role": "assistant", "content": body})

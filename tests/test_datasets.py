@@ -110,6 +110,7 @@ def test_arith_is_deterministic_and_exact() -> None:
         nums = [int(x) for x in p.question.split() if x.isdigit()]
         assert len(nums) == 2 and all(2 <= n <= ARITH_MAX for n in nums)
         assert int(p.answer) in (nums[0] + nums[1], nums[0] - nums[1]) and int(p.answer) >= 0
+        assert gold_answer(p.solution) == p.answer and extract_answer(p.solution) == p.answer
     assert {"more", "left"} <= {w.strip("?.") for p in a for w in p.question.split()}
     with pytest.raises(InvalidOptionError):
         arith_problems(0)
@@ -137,3 +138,6 @@ def test_cot_prompt_zero_and_few_shot() -> None:
     assert [m["role"] for m in few] == ["user", "assistant", "user"]
     assert few[1]["content"] == "She makes 9 * 2 = $18.\nThe answer is 18."
     assert extract_answer(few[1]["content"]) == "18"
+    arith_shot = arith_problems(1)[0]
+    first_line = arith_shot.solution.split("\n")[0]
+    assert cot_prompt("Q", [arith_shot])[1]["content"] == f"{first_line}\nThe answer is {arith_shot.answer}."

@@ -1,0 +1,306 @@
+"""The ``ensemble`` command: ``demo``, ``generate`` and ``bench``.
+
+* ``ensemble demo``: the bundled pair answers one arithmetic word problem, each member
+  alone and then as a SAFE ensemble, with the ensemble's statistics and timings.
+* ``ensemble generate``: any members, any method, config flags (``--lookahead``,
+  ``--segment-length``, ``--distribution``, ``--drafter`` or generic ``--set key=value``),
+  a prompt or a chat file, optionally streamed.
+* ``ensemble bench``: the benchmark harness (:mod:`ensemble_core.bench`).
+
+Only argparse: the command adds no dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .datasets import DATASETS, cot_prompt
+from .ensemble import DEFAULT_MEMBERS, METHODS, Ensemble, method_class, resolve_members
+from .errors import ConfigurationError, EnsembleError, InputError, InvalidOptionError
+from .members import Member
+
+DEMO_QUESTION = "A farmer has 12 cows. He buys 7 more cows and then sells 4. How many cows does the farmer have now?"
+
+
+# ---------------------------------------------------------------------------- parsing helpers
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: JSON when it parses (numbers, true/false/null, lists, quoted strings), else the raw string."""
+    lowered = {"true": True, "false": False, "none": None, "null": None}
+    if text.lower() in lowered:
+        return lowered[text.lower()]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_sets(items: Sequence[str] | None) -> dict[str, dict[str, Any]]:
+    """``["lookahead=3", "specem.segment_length=8"]`` → ``{"*": {"lookahead": 3}, "specem": {"segment_length": 8}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InvalidOptionError("--set", item, "key=value (or method.key=value)")
+        method, dot, name = key.rpartition(".")
+        out.setdefault(method if dot else "*", {})[name.replace("-", "_")] = parse_value(value)
+    for values in out.values():
+        if isinstance(values.get("stop"), list):
+            values["stop"] = tuple(values["stop"])
+    return out
+
+
+def member_options(args: argparse.Namespace, count: int) -> list[dict[str, Any]]:
+    """Per-member load options from ``--device`` (one for all, or one per member) and ``--dtype``."""
+    devices = args.device or []
+    if devices and len(devices) not in (1, count):
+        raise InvalidOptionError("--device", devices, f"one device for all members or one per member ({count})")
+    opts = []
+    for i in range(count):
+        o: dict[str, Any] = {"dtype": args.dtype}
+        if devices:
+            o["device"] = devices[i if len(devices) > 1 else 0]
+        opts.append(o)
+    return opts
+
+
+def load_members(args: argparse.Namespace) -> list[Member]:
+    names = list(args.members or DEFAULT_MEMBERS)
+    return [resolve_members([name], **opts)[0] for name, opts in zip(names, member_options(args, len(names)))]
+
+
+def _add_member_flags(p: argparse.ArgumentParser, default_members: bool = True) -> None:
+    p.add_argument("--members", nargs="+", metavar="MEMBER", default=None,
+                   help="aliases, local directories, .gguf files or Hugging Face ids "
+                        f"(default: {' '.join(DEFAULT_MEMBERS)})")
+    p.add_argument("--device", nargs="+", metavar="DEVICE", default=None,
+                   help="one device for all members or one per member, e.g. --device cuda:0 cuda:1 (default cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="member dtype (auto: float32 on CPU, bfloat16 on GPU)")
+
+
+# ---------------------------------------------------------------------------- output helpers
+def format_stats(stats: dict[str, Any]) -> list[str]:
+    """Readable lines for a method's stats dict (E/T first when the method reports it)."""
+    from .bench import ensemble_ratio
+
+    lines = []
+    et = ensemble_ratio(stats)
+    if et is not None:
+        lines.append(f"E/T (ensembled / total tokens): {et:.1%}")
+    for key, value in stats.items():
+        if isinstance(value, float):
+            value = round(value, 3)
+        elif isinstance(value, dict):
+            value = {k: round(v, 3) if isinstance(v, float) else v for k, v in value.items()}
+        elif isinstance(value, list) and len(value) > 12:
+            value = f"[{len(value)} values: {value[:3]} ... {value[-3:]}]"
+        lines.append(f"{key}: {value}")
+    return lines
+
+
+def _print_result(label: str, result: Any, text: str | None = None) -> None:
+    print(f"--- {label}: {result.seconds:.2f} s, {result.completion_tokens} tokens, finish={result.finish_reason}"
+          + (f", first text after {result.time_to_first_chunk:.2f} s" if result.time_to_first_chunk is not None else ""))
+    if text is not None:
+        print(text)
+
+
+# ---------------------------------------------------------------------------- commands
+def cmd_demo(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    members = load_members(args)
+    print(f"Loaded {', '.join(m.name for m in members)} in {time.perf_counter() - t0:.1f} s")
+    question = args.question or DEMO_QUESTION
+    prompt = cot_prompt(question)
+    print(f"\nQuestion: {question}\n")
+    for m in members:
+        result = Ensemble([m], method="single").generate(prompt, max_new_tokens=args.max_new_tokens)
+        _print_result(f"{m.name} alone", result, result.text)
+        print()
+    try:
+        ensemble = Ensemble(members, method="safe", max_new_tokens=args.max_new_tokens)
+    except ConfigurationError as exc:
+        print(f"SAFE ensemble: not available yet in this installation ({exc}). Only the members' own answers are shown.")
+        return 1
+    print(f"--- SAFE ensemble of {' + '.join(m.name for m in members)} (streamed):")
+    stream = ensemble.stream(prompt)
+    for delta in stream:
+        print(delta, end="", flush=True)
+    print()
+    result = stream.result
+    _print_result("SAFE ensemble", result)
+    for line in format_stats(result.stats):
+        print("  " + line)
+    print(f"\nTotal demo time {time.perf_counter() - t0:.1f} s.")
+    return 0
+
+
+def _read_prompt(args: argparse.Namespace) -> Any:
+    if args.prompt is not None:
+        return args.prompt
+    path = Path(args.chat_file)
+    try:
+        messages = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"Cannot read the chat file {path}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise InputError(f"The chat file {path} is not JSON ({exc}); it must hold a list of "
+                         "{'role', 'content'} messages.") from exc
+    if isinstance(messages, dict) and "messages" in messages:
+        messages = messages["messages"]
+    return messages
+
+
+def generate_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Method config from the dedicated flags and ``--set`` (dedicated flags win)."""
+    sets = parse_sets(args.set)
+    extra = [k for k in sets if k != "*"]
+    if extra:
+        raise InvalidOptionError("--set", extra, "plain key=value for generate (no method prefix)")
+    config: dict[str, Any] = dict(sets.get("*", {}))
+    config["max_new_tokens"] = args.max_new_tokens
+    for flag in ("lookahead", "segment_length", "distribution", "drafter", "seed"):
+        value = getattr(args, flag)
+        if value is not None:
+            config[flag] = value
+    if args.stop:
+        config["stop"] = tuple(args.stop)
+    if args.sample:
+        config["do_sample"] = True
+    return config
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
+    config = generate_config(args)
+    method_class(args.method).config_class().replace(**config)  # bad options fail before any model loads
+    members = load_members(args)
+    ensemble = Ensemble(members, method=args.method, **config)
+    if args.stream:
+        stream = ensemble.stream(prompt)
+        for delta in stream:
+            print(delta, end="", flush=True)
+        print()
+        result = stream.result
+    else:
+        result = ensemble.generate(prompt)
+        print(result.text)
+    if args.json:
+        print(json.dumps({"text": result.text, "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
+                          "completion_tokens": result.completion_tokens, "seconds": result.seconds,
+                          "time_to_first_chunk": result.time_to_first_chunk, "stats": result.stats}, default=repr))
+    elif not args.quiet:
+        print(f"\n[{ensemble.name}: {result.seconds:.2f} s, {result.completion_tokens} tokens, finish={result.finish_reason}]",
+              file=sys.stderr)
+        for line in format_stats(result.stats):
+            print("  " + line, file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import BenchOptions, run_bench
+
+    members = list(args.members or DEFAULT_MEMBERS)
+    options = BenchOptions(
+        dataset=args.dataset, data_path=args.data_path, limit=args.limit, offset=args.offset, shots=args.shots,
+        methods=tuple(args.methods), members=tuple(members), devices=tuple(args.device or ()), dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop,
+        every_token_distributions=tuple(args.every_token_distributions),
+        safe_drafters=tuple(args.safe_drafters) if args.safe_drafters is not None else None,
+        method_config=parse_sets(args.set), out=args.out, resume=args.resume, warmup=not args.no_warmup,
+        plots=not args.no_plots, microbench=not args.no_microbench, microbench_reps=args.microbench_reps,
+        progress=not args.no_progress, threads=args.threads, command="ensemble " + " ".join(shlex.quote(a) for a in args.argv))
+    summary = run_bench(options)
+    out = Path(args.out)
+    print((out / "summary.md").read_text(encoding="utf-8"))
+    print(f"Results in {out.resolve()}")
+    errors = sum(v["errors"] for v in summary["methods"].values())
+    return 1 if errors else 0
+
+
+# ---------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    from .bench import ALL_METHODS
+
+    parser = argparse.ArgumentParser(prog="ensemble", description="Training-free LLM ensembles (SAFE, SpecEM).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="the bundled pair answers one question alone and as a SAFE ensemble")
+    _add_member_flags(p)
+    p.add_argument("--question", default=None, help="question to ask (default: a short arithmetic word problem)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="generate with any members and method")
+    _add_member_flags(p)
+    p.add_argument("--method", default="safe", choices=sorted(METHODS))
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the user message")
+    src.add_argument("--chat-file", help='JSON file with a list of {"role", "content"} messages')
+    p.add_argument("--stream", action="store_true", help="print text as it is committed")
+    p.add_argument("--lookahead", type=int, default=None, help="SAFE: tokens drafted per round")
+    p.add_argument("--segment-length", type=int, default=None, help="SpecEM: segment length L")
+    p.add_argument("--distribution", default=None, help="SAFE / every-token: unite or gac")
+    p.add_argument("--drafter", type=parse_value, default=None, help="SAFE: drafter member (index or name)")
+    p.add_argument("--stop", nargs="+", default=None, help="stop strings")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any method config field (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the result and stats as JSON after the text")
+    p.add_argument("--quiet", action="store_true", help="print the text only")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmark methods on a dataset (interleaved per question)")
+    _add_member_flags(p)
+    p.add_argument("--dataset", default="gsm8k", choices=sorted(DATASETS))
+    p.add_argument("--data-path", default=None, help="GSM8K test.jsonl to read instead of the vendored copy")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--shots", type=int, default=0, help="few-shot examples (taken from the end of the dataset)")
+    p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
+    p.add_argument("--every-token-distributions", nargs="+", default=["unite"], choices=["unite", "gac"])
+    p.add_argument("--safe-drafters", nargs="+", type=int, default=None,
+                   help="member indices to use as SAFE drafter, one row each (default: every member)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--stop", nargs="*", default=None,
+                   help="stop strings for every method (default: '\\nQuestion:'; give none to disable)")
+    p.add_argument("--set", action="append", metavar="[METHOD.]KEY=VALUE",
+                   help="method config override, e.g. --set specem.segment_length=8 or --set lookahead=4")
+    p.add_argument("--out", default="results/bench", help="results folder")
+    p.add_argument("--resume", action="store_true", help="keep results.jsonl and run only what is missing")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-microbench", action="store_true", help="skip the verify-in-line microbenchmark")
+    p.add_argument("--microbench-reps", type=int, default=5)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; use 1 when other processes share the cores)")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return int(args.func(args) or 0)
+    except EnsembleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The benchmark harness: rows, records, summary, targets, artefacts.
+
+Fast tests run the whole harness on tiny random-weight members (real tokenizers); the
+``real`` test runs ``ensemble bench --limit 2`` on the bundled pair with every method.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ensemble_core import ensemble as ensemble_module
+from ensemble_core.bench import (
+    BenchOptions,
+    HFSingleRunner,
+    Row,
+    _TextStop,
+    cut_at_stop,
+    ensemble_ratio,
+    evaluate_targets,
+    is_corrupted,
+    run_bench,
+    summarize_rows,
+)
+from ensemble_core.cli import main
+from ensemble_core.datasets import cot_prompt
+from ensemble_core.errors import ConfigurationError, InvalidOptionError
+
+ARTEFACTS = ("results.jsonl", "summary.json", "summary.md", "latency_per_method.png", "latency_vs_length.png",
+             "et_distribution.png")
+
+
+def _rec(method: str, qid: str, latency: float, tokens: int = 10, correct: bool = True, et: float | None = None,
+         ttft: float | None = 0.1, time_to_l: float | None = None, kind: str = "x") -> dict:
+    stats = {} if et is None else {"tokens": tokens, "ensembled_tokens": round(et * tokens)}
+    return {"method": method, "kind": kind, "question_id": qid, "latency_s": latency, "tokens": tokens,
+            "correct": correct, "ttft_s": ttft, "time_to_L_s": time_to_l, "et": et, "corrupted": False,
+            "finish_reason": "eos", "stats": stats}
+
+
+def _synthetic(safe_fast: float = 1.0, safe_slow: float = 4.2, every: float = 6.0, et: float = 0.1):
+    rows = [Row("single[fast]", "single", runner=object(), member="fast"),
+            Row("single[slow]", "single", runner=object(), member="slow"),
+            Row("safe[drafter=fast]", "safe", runner=object(), drafter="fast"),
+            Row("safe[drafter=slow]", "safe", runner=object(), drafter="slow"),
+            Row("every-token[unite]", "every-token", runner=object()),
+            Row("specem", "specem", runner=object()),
+            Row("generate-then-select", "generate-then-select", skipped="ConfigurationError: not installed")]
+    records = []
+    for q in ("q1", "q2"):
+        records += [_rec("single[fast]", q, 0.5, tokens=50, time_to_l=0.2),
+                    _rec("single[slow]", q, 4.0, tokens=40, time_to_l=1.0, correct=q == "q1"),
+                    _rec("safe[drafter=fast]", q, safe_fast, et=et), _rec("safe[drafter=slow]", q, safe_slow, et=et / 2),
+                    _rec("every-token[unite]", q, every, et=1.0), _rec("specem", q, 3.0, ttft=1.2)]
+    return rows, records
+
+
+def test_summary_ratios_and_targets_from_records() -> None:
+    rows, records = _synthetic()
+    summary = summarize_rows(rows, records)
+    assert "generate-then-select" not in summary
+    assert summary["single[slow]"]["accuracy"] == 0.5 and summary["single[fast]"]["accuracy"] == 1.0
+    assert summary["single[fast]"]["tokens_per_s"] == pytest.approx(100.0)
+    assert summary["safe[drafter=fast]"]["ratio_to_drafter"] == pytest.approx(2.0)
+    assert summary["safe[drafter=fast]"]["ratio_to_slow"] == pytest.approx(0.25)
+    assert summary["safe[drafter=slow]"]["ratio_to_drafter"] == pytest.approx(1.05)
+    assert summary["safe[drafter=fast]"]["et"] == pytest.approx(0.1)
+    targets = {t["id"]: t for t in evaluate_targets(summary, {"generate-then-select": "x"}, {"speedup_4": 2.5})}
+    assert {t["status"] for t in targets.values()} == {"met"}
+    assert targets["safe_fast_drafter_vs_slow_member"]["value"] == pytest.approx(0.25)
+    assert targets["safe_vs_every_token"]["value"] == pytest.approx(6.0)
+    assert targets["specem_ttfs"]["value"] == pytest.approx(1.2)  # vs the slowest member's time to L tokens
+
+    rows, records = _synthetic(safe_fast=3.0, safe_slow=5.0, every=6.0, et=0.4)
+    targets = {t["id"]: t for t in evaluate_targets(summarize_rows(rows, records), {}, {"speedup_4": 1.5})}
+    assert {t["status"] for t in targets.values()} - {"met"} == {"missed"}
+    assert targets["safe_fast_drafter_vs_slow_member"]["status"] == "missed"
+    assert targets["safe_vs_every_token"]["status"] == "missed"
+    assert targets["safe_slow_drafter_vs_itself"]["status"] == "missed"
+    assert targets["safe_et"]["status"] == "missed"
+    assert targets["verify_in_line_speedup"]["status"] == "missed"
+
+
+def test_targets_not_evaluated_say_why() -> None:
+    rows = [Row("single[a]", "single", runner=object(), member="a"), Row("safe", "safe", skipped="ImportError: gone")]
+    summary = summarize_rows(rows, [_rec("single[a]", "q", 1.0, kind="single")])
+    targets = evaluate_targets(summary, {"safe": "ImportError: gone"}, {"skipped": "no verify_inline"})
+    assert all(t["status"] == "not evaluated" for t in targets)
+    assert any("ImportError: gone" in t["detail"] for t in targets)
+    assert targets[-1]["detail"] == "no verify_inline"
+
+
+def test_record_helpers() -> None:
+    assert is_corrupted("a\ufffdb") and is_corrupted("bad \ud800 surrogate") and not is_corrupted("東京 😀")
+    assert ensemble_ratio({"e_t": 0.25}) == 0.25
+    assert ensemble_ratio({"ensembled_tokens": 3, "tokens": 12}) == 0.25
+    assert ensemble_ratio({"tokens": 12}) is None and ensemble_ratio({"e_t": True}) is None
+    assert cut_at_stop("abc\nUser: x", ["\nUser:"]) == ("abc", True)
+    assert cut_at_stop("abc", ["\nUser:"]) == ("abc", False)
+
+
+def test_text_stop_criterion_sees_only_the_response(tiny_gemma) -> None:
+    tok = tiny_gemma.tokenizer
+    prompt = tok("Question: what?\nAnswer:", add_special_tokens=False)["input_ids"]
+    stop = _TextStop(tok, ["\nQuestion:"], len(prompt))
+    assert not bool(stop(torch.tensor([prompt]), None)[0])  # the prompt's own "Question:" does not count
+    going = prompt + tok(" 7 + 5 = 12.", add_special_tokens=False)["input_ids"]
+    assert not bool(stop(torch.tensor([going]), None)[0])
+    done = going + tok("\nQuestion: next", add_special_tokens=False)["input_ids"]
+    assert bool(stop(torch.tensor([done]), None)[0])
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(InvalidOptionError):
+        BenchOptions(methods=("single", "mbr"))
+    with pytest.raises(InvalidOptionError):
+        BenchOptions(every_token_distributions=("avg",))
+    with pytest.raises(InvalidOptionError):
+        BenchOptions(max_new_tokens=0)
+    with pytest.raises(InvalidOptionError):
+        BenchOptions(devices=("cpu", "cpu", "cpu"))
+    with pytest.raises(InvalidOptionError):
+        BenchOptions(safe_drafters=(2,))
+
+
+def test_hf_single_matches_a_greedy_loop_over_the_member_api(tiny_llama) -> None:
+    """The speed-limit row (HF generate) decodes exactly the greedy tokens of the member's own decode state."""
+    prompt = cot_prompt("What is 2 + 3?")
+    hf = HFSingleRunner(tiny_llama, l_tokens=4).run(prompt, 12)
+    state = tiny_llama.start(prompt, 12)
+    for _ in range(12):
+        state.extend([int(state.score()[-1].argmax())])
+    assert hf.token_ids == state.response_ids and hf.tokens == 12
+    assert hf.text == tiny_llama.decode(state.response_ids).lstrip()
+    assert hf.finish_reason == "length" and 0 < hf.ttft <= hf.time_to_l <= hf.seconds
+
+
+def test_run_bench_writes_every_artefact_on_tiny_members(tiny_llama, tiny_gemma, tmp_path: Path) -> None:
+    options = BenchOptions(dataset="arith", limit=2, max_new_tokens=4, out=str(tmp_path), progress=False,
+                           every_token_distributions=("unite", "gac"), microbench_reps=1, warmup=False,
+                           method_config={"specem": {"segment_length": 3}})
+    summary = run_bench(options, members=[tiny_llama, tiny_gemma])
+    for name in ARTEFACTS:
+        assert (tmp_path / name).stat().st_size > 0, name
+    labels = {f"single[{tiny_llama.name}]", f"single[{tiny_gemma.name}]", "every-token[unite]", "every-token[gac]",
+              f"safe[drafter={tiny_llama.name}]", f"safe[drafter={tiny_gemma.name}]", "specem", "generate-then-select"}
+    assert set(summary["methods"]) == labels and summary["skipped"] == {}
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * len(labels) and not [r for r in records if "error" in r]
+    assert [r["question_id"] for r in records[: len(labels)]] == ["arith-0"] * len(labels)  # interleaved per question
+    assert all(r["et"] is not None for r in records if r["kind"] in ("safe", "every-token"))
+    assert {t["status"] for t in summary["targets"]} <= {"met", "missed"}
+    md = (tmp_path / "summary.md").read_text()
+    assert "## Targets" in md and all(label in md for label in labels)
+    assert summary["microbench"]["speedup_4"] > 0
+    # --resume runs nothing twice
+    again = run_bench(BenchOptions(**{**options.__dict__, "resume": True, "microbench": False}),
+                      members=[tiny_llama, tiny_gemma])
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(records)
+    assert again["methods"]["specem"]["questions"] == 2
+
+
+def test_unavailable_method_is_reported_not_dropped(tiny_llama, tiny_gemma, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(ensemble_module.METHODS, "specem", "ensemble_core.not_there:Nope")
+    summary = run_bench(BenchOptions(dataset="arith", limit=1, max_new_tokens=3, out=str(tmp_path), progress=False,
+                                     methods=("single", "specem"), warmup=False, plots=False, microbench=False),
+                        members=[tiny_llama, tiny_gemma])
+    assert "specem" in summary["skipped"] and "not available" in summary["skipped"]["specem"]
+    assert "## Skipped methods" in (tmp_path / "summary.md").read_text()
+    ttfs = next(t for t in summary["targets"] if t["id"] == "specem_ttfs")
+    assert ttfs["status"] == "not evaluated" and "not available" in ttfs["detail"]
+
+
+def test_unknown_set_field_fails_early(tiny_llama, tiny_gemma, tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="segmnt_length"):
+        run_bench(BenchOptions(dataset="arith", limit=1, out=str(tmp_path), progress=False,
+                               method_config={"*": {"segmnt_length": 3}}), members=[tiny_llama, tiny_gemma])
+
+
+@pytest.mark.real
+def test_cli_bench_limit_2_runs_every_method_on_the_real_pair(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "bench"
+    rc = main(["bench", "--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", "24", "--out", str(out),
+               "--every-token-distributions", "unite", "gac", "--microbench-reps", "1", "--no-progress"])
+    assert rc == 0
+    for name in ARTEFACTS:
+        assert (out / name).stat().st_size > 0, name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped"] == {}
+    assert set(summary["methods"]) == {
+        "single[smollm2-135m-instruct]", "single[gemma3-270m]", "every-token[unite]", "every-token[gac]",
+        "safe[drafter=smollm2-135m-instruct]", "safe[drafter=gemma3-270m]", "specem", "generate-then-select"}
+    for label, row in summary["methods"].items():
+        assert row["questions"] == 2 and row["errors"] == 0, label
+        assert row["corrupted"] == 0, label
+        assert row["mean_latency_s"] > 0 and row["tokens"] > 0, label
+    assert {t["status"] for t in summary["targets"]} <= {"met", "missed"}, summary["targets"]
+    assert "| method |" in capsys.readouterr().out
