@@ -1,0 +1,46 @@
+"""The notebooks execute end to end on the bundled models (small limits), and are stored without outputs.
+
+Executed with nbclient in a kernel running this interpreter (jupyter_client maps the
+kernel spec's ``python`` to ``sys.executable``). A failing cell, including a failing
+adapter import, fails the test: nothing here is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NAMES = ["quickstart.ipynb", "langchain.ipynb", "llamaindex.ipynb"]
+
+
+def test_notebooks_exist_and_are_stripped() -> None:
+    found = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
+    assert found == sorted(NAMES)
+    for name in NAMES:
+        nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, f"{name} has stored outputs"
+                limits = [int(n) for n in re.findall(r"max_(?:new_)?tokens=(\d+)", cell.source)]
+                assert all(n <= 32 for n in limits), f"{name}: keep notebook limits <= 32 tokens ({limits})"
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_executes(name: str, tmp_path: Path) -> None:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    env_keep = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    os.environ.update({k: os.environ.get(k, v) for k, v in env_keep.items()})
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    texts = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "stream"]
+    assert any(t.strip() for t in texts), f"{name} printed nothing"
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
