@@ -29,7 +29,7 @@ from ensemble_core import Member
 from ensemble_core.testing import tiny_member
 
 PAIR = ["smollm2-135m-instruct", "gemma3-270m"]
-METHOD = "single"
+METHOD = "safe"
 
 
 def make_multiply(calls: list[tuple[float, float]]) -> FunctionTool:
