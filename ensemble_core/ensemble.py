@@ -88,7 +88,8 @@ class Ensemble:
             raise NoMembersError(len(self.members), cls.min_members)
         self.method_name = method
         self.method: EnsembleMethod = cls(self.members, **config)
-        self._lock = threading.Lock()
+        #: Serialises rounds of concurrent requests (see ``runtime.Run``): one method step at a time.
+        self.lock = threading.Lock()
 
     @property
     def config(self) -> Any:

@@ -32,9 +32,9 @@ from langchain_ensemble import (
 )
 from langchain_ensemble.base import split_model
 from langchain_ensemble.messages import to_core_messages
-from langchain_ensemble.runner import CoreRun
 
 from ensemble_core import ConfigurationError, Ensemble, InputError, InvalidOptionError, normalize_messages
+from ensemble_core.runtime import Run as CoreRun
 
 
 class TokenCounter(BaseCallbackHandler):

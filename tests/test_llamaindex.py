@@ -251,7 +251,7 @@ async def test_real_async_cancellation_stops_the_core(llm: EnsembleLLM) -> None:
     first = asyncio.get_running_loop().create_future()
 
     async def consume() -> None:
-        async for delta in run.adeltas():
+        async for delta in run.astream():
             if not first.done():
                 first.set_result(delta)
 
@@ -272,9 +272,7 @@ async def test_real_async_cancellation_stops_the_core(llm: EnsembleLLM) -> None:
 
 @pytest.mark.real
 def test_real_cancelled_while_waiting_for_the_ensemble(llm: EnsembleLLM) -> None:
-    from llama_index.llms.ensemble.shared import lock_for
-
-    lock = lock_for(llm.ensemble)
+    lock = llm.ensemble.lock
     with lock:  # another generation holds the ensemble
         run = llm._run(PROMPT, {})  # noqa: SLF001
         run.cancel()

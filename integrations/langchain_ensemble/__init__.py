@@ -10,9 +10,10 @@
 See ``README.md`` next to this file for the parameters, the metadata and the choices made.
 """
 
+from ensemble_core.runtime import GenerationTimeout
+
 from .chat_models import ChatEnsemble
 from .llms import EnsembleLLM
 from .messages import ToolMessagesNotSupported, UnsupportedContentError
-from .runner import GenerationTimeout
 
 __all__ = ["ChatEnsemble", "EnsembleLLM", "GenerationTimeout", "ToolMessagesNotSupported", "UnsupportedContentError"]

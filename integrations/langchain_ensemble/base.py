@@ -19,7 +19,7 @@ unknown keyword args      names that are not config fields raise ConfigurationEr
                           members' own stop strings (``"\\nUser:"`` for template-less
                           members) are always added by the core
 ``timeout``               seconds; the core stream's cancel event is set at the deadline and
-                          :class:`~langchain_ensemble.runner.GenerationTimeout` is raised
+                          :class:`~ensemble_core.runtime.GenerationTimeout` is raised
 ``max_retries``           accepted and validated, never used: local generation has no
                           transient (network, rate-limit) errors to retry, and repeating a
                           deterministic failure would only waste time
@@ -40,9 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field
 
 from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, method_class
 from ensemble_core.chat import Prompt
-
-from .registry import get_ensemble
-from .runner import CoreRun
+from ensemble_core.runtime import Run, shared_ensemble
 
 DEFAULT_METHOD = "safe"
 PROVIDER = "ensemble"
@@ -163,7 +161,7 @@ class EnsembleFields(BaseModel):
                 members = self.members
                 if members is None:  # spelled out, so that the default shares the cache entry of the same list
                     members = split_model(self.model_name) if self.model_name is not None else list(DEFAULT_MEMBERS)
-                self._core = get_ensemble(members, self.method, self.method_config, self.member_options)
+                self._core = shared_ensemble(members, self.method, self.method_config, self.member_options)
         return self._core
 
     # ------------------------------------------------------------------ per call
@@ -174,7 +172,7 @@ class EnsembleFields(BaseModel):
             return own, str(self.model_name)
         if not isinstance(model, str):
             raise InvalidOptionError("model", model, "member names joined by '+'")
-        return get_ensemble(split_model(model), own.method_name, self.method_config, self.member_options), model
+        return shared_ensemble(split_model(model), own.method_name, self.method_config, self.member_options), model
 
     def _generation_overrides(self, kwargs: dict[str, Any], stop: list[str] | None) -> dict[str, Any]:
         """Standard parameters (instance values, overridden by call values) → core config overrides."""
@@ -195,7 +193,7 @@ class EnsembleFields(BaseModel):
             out["stop"] = tuple(dict.fromkeys(stops))
         return out
 
-    def _prepare(self, prompt: Prompt, stop: list[str] | None, kwargs: Mapping[str, Any]) -> tuple[CoreRun, Ensemble, str]:
+    def _prepare(self, prompt: Prompt, stop: list[str] | None, kwargs: Mapping[str, Any]) -> tuple[Run, Ensemble, str]:
         """One core run for a call: ensemble, overrides, timeout. Unknown kwargs raise."""
         kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_KWARGS}
         ensemble, model_name = self._ensemble_for(kwargs.get("model"))
@@ -210,7 +208,7 @@ class EnsembleFields(BaseModel):
         overrides = {**method_options, **self._generation_overrides(dict(kwargs), stop)}
         timeout = kwargs.get("timeout", self.timeout)
         _check_number("timeout", timeout, minimum=0.0, strict=True)
-        return CoreRun(ensemble, prompt, overrides, timeout=timeout), ensemble, model_name
+        return Run(ensemble, prompt, overrides, timeout=timeout), ensemble, model_name
 
     # ------------------------------------------------------------------ tokens
     def get_token_ids(self, text: str) -> list[int]:

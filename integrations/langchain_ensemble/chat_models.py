@@ -37,7 +37,7 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
             llm.invoke("Name the capital of France.").content
 
     Weights and the ensemble object are shared by every instance with the same members,
-    method and config (see :mod:`langchain_ensemble.registry`), so building a new
+    method and config (see :mod:`ensemble_core.runtime`), so building a new
     ``ChatEnsemble`` per request is cheap.
 
     ``usage_metadata`` counts tokens with the method's *primary* member's tokenizer (SAFE:

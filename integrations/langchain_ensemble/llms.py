@@ -18,9 +18,9 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from ensemble_core import Ensemble, GenerationResult
+from ensemble_core.runtime import Run
 
 from .base import EnsembleFields, response_metadata, usage_metadata
-from .runner import CoreRun
 
 
 def _generation_info(result: GenerationResult, ensemble: Ensemble, model_name: str) -> dict[str, Any]:
@@ -56,7 +56,7 @@ class EnsembleLLM(EnsembleFields, BaseLLM):
 
     # ------------------------------------------------------------------ sync
     @staticmethod
-    def _chunks(run: CoreRun, ensemble: Ensemble, model_name: str,
+    def _chunks(run: Run, ensemble: Ensemble, model_name: str,
                 run_manager: CallbackManagerForLLMRun | None) -> Iterator[GenerationChunk]:
         """One chunk per committed delta, then a closing chunk with usage and metadata."""
         with closing(iter(run)) as deltas:  # leaving early cancels the core stream
@@ -95,7 +95,7 @@ class EnsembleLLM(EnsembleFields, BaseLLM):
 
     # ------------------------------------------------------------------ async
     @staticmethod
-    async def _achunks(run: CoreRun, ensemble: Ensemble, model_name: str,
+    async def _achunks(run: Run, ensemble: Ensemble, model_name: str,
                        run_manager: AsyncCallbackManagerForLLMRun | None) -> AsyncIterator[GenerationChunk]:
         async with aclosing(run.astream()) as deltas:  # generation runs in a worker thread
             async for delta in deltas:

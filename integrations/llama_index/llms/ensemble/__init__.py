@@ -4,8 +4,9 @@
 ``__init__.py``), so this package sits next to ``llama_index.core`` from site-packages.
 """
 
+from ensemble_core.runtime import clear_shared, shared_ensemble
+
 from .base import EnsembleLLM, default_context_margin
 from .embeddings import LocalSentenceEmbedding
-from .shared import clear_shared, shared_ensemble
 
 __all__ = ["EnsembleLLM", "LocalSentenceEmbedding", "clear_shared", "default_context_margin", "shared_ensemble"]

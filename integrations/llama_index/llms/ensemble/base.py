@@ -5,7 +5,7 @@ the sync / async / streaming plumbing. All generation logic (SAFE, SpecEM, the
 baselines, stop strings, cancellation, token counting) lives in
 :class:`ensemble_core.Ensemble`, which the LangChain adapter wraps too.
 
-Threading (see :mod:`.runs`): the core's generation is a blocking iterator (one method
+Threading (see :mod:`ensemble_core.runtime`): the core's generation is a blocking iterator (one method
 round per step). The async methods run it in a worker thread, so the event loop keeps
 serving other tasks; cancelling the awaiting task sets the core stream's cancel event and
 the worker stops after the round it is in.
@@ -35,10 +35,9 @@ from llama_index.core.llms.llm import LLM
 
 from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, Member
 from ensemble_core.chat import Prompt
+from ensemble_core.runtime import Run, shared_ensemble
 
 from .messages import extra_kwargs, raw_payload, to_core_messages
-from .runs import Run
-from .shared import shared_ensemble
 
 #: Options that are EnsembleLLM fields; method_config must not set them a second time.
 LLM_OPTIONS = ("max_new_tokens", "stop", "temperature", "do_sample")
@@ -96,7 +95,7 @@ class EnsembleLLM(LLM):
                 f"method_config sets {', '.join(reserved)}: pass these as EnsembleLLM fields "
                 "(max_new_tokens=, stop=, temperature=) instead, so that there is one place for them."
             )
-        self._ensemble = shared_ensemble(self.members, self.method, self.member_options, self.method_config)
+        self._ensemble = shared_ensemble(self.members, self.method, self.method_config, self.member_options)
 
     @classmethod
     def class_name(cls) -> str:
@@ -228,7 +227,7 @@ class EnsembleLLM(LLM):
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
-            async with aclosing(run.adeltas()) as deltas:
+            async with aclosing(run.astream()) as deltas:
                 async for delta in deltas:
                     text += delta
                     yield CompletionResponse(text=text, delta=delta)
@@ -246,7 +245,7 @@ class EnsembleLLM(LLM):
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
-            async with aclosing(run.adeltas()) as deltas:
+            async with aclosing(run.astream()) as deltas:
                 async for delta in deltas:
                     text += delta
                     yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)

@@ -1,0 +1,230 @@
+"""Serving an ensemble to framework adapters: shared ensembles and cancellable runs.
+
+LangChain and LlamaIndex build model objects freely (a chain per request, ``model_copy``,
+a fresh instance per standard test). Both adapters go through this module, so that
+identical descriptions share one :class:`~ensemble_core.Ensemble` (and its weights) in a
+process, generations on one ensemble take turns round by round, and sync, async,
+streaming, timeout and cancellation behave the same in every framework. The adapters
+keep only message conversion and metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Hashable, Iterator, Mapping, Sequence
+from contextlib import aclosing
+from typing import Any
+
+from .chat import Prompt
+from .ensemble import Ensemble
+from .errors import GenerationCancelled
+from .generation import GenerationResult
+from .members import Member, MemberSpec
+
+#: How many distinct ensembles stay cached (weights are cached separately by the members).
+MAX_ENTRIES = 16
+#: How often a run waiting for its ensemble looks at its cancel event.
+LOCK_POLL_S = 0.05
+
+_ENSEMBLES: OrderedDict[Hashable, Ensemble] = OrderedDict()
+_REGISTRY_LOCK = threading.Lock()
+
+
+class GenerationTimeout(GenerationCancelled, TimeoutError):
+    """A generation ran past its ``timeout``; it was stopped, not retried."""
+
+    def __init__(self, timeout: float, text_so_far: str = "") -> None:
+        self.timeout, self.text_so_far = timeout, text_so_far
+        super().__init__(
+            f"The ensemble did not finish within timeout={timeout} s and was stopped "
+            f"({len(text_so_far)} characters were generated). Raise `timeout`, lower `max_tokens`, "
+            "or use fewer / smaller members."
+        )
+
+
+def freeze(value: Any) -> Hashable:
+    """A hashable stand-in for a config value (dicts and lists by content, objects by identity)."""
+    if isinstance(value, Mapping):
+        return ("dict", tuple(sorted((str(k), freeze(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return ("seq", tuple(freeze(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", frozenset(freeze(v) for v in value))
+    if isinstance(value, os.PathLike):
+        return ("path", os.fspath(value))
+    if isinstance(value, (str, int, float, bool, type(None), MemberSpec)):
+        return value
+    return ("id", id(value))  # Member objects, torch dtypes, ...
+
+
+def member_key(item: Any) -> Hashable:
+    """Cache key of one member description; prebuilt objects are keyed by identity.
+
+    The cached ensemble keeps those objects alive, so an id cannot be reused by another
+    object while its entry exists.
+    """
+    if isinstance(item, Member):
+        return ("member", id(item))
+    if isinstance(item, tuple) and len(item) == 2:
+        return ("pair", id(item[0]), id(item[1]))
+    return freeze(item)
+
+
+def shared_ensemble(members: Sequence[Any] | None, method: str, method_config: Mapping[str, Any] | None = None,
+                    member_options: Mapping[str, Any] | None = None) -> Ensemble:
+    """The process-wide ensemble for this description, built on first use.
+
+    Built under a lock, so two threads asking for the same new ensemble build it once;
+    errors (unknown alias, bad option) propagate and nothing is cached. Per-call settings
+    (temperature, max tokens, stop) are not part of the key: pass them to :class:`Run`.
+    """
+    key = (None if members is None else tuple(member_key(m) for m in members), method,
+           freeze(dict(method_config or {})), freeze(dict(member_options or {})))
+    with _REGISTRY_LOCK:
+        ensemble = _ENSEMBLES.get(key)
+        if ensemble is None:
+            ensemble = Ensemble(None if members is None else list(members), method=method,
+                                member_options=dict(member_options) if member_options else None,
+                                **dict(method_config or {}))
+            _ENSEMBLES[key] = ensemble
+            while len(_ENSEMBLES) > MAX_ENTRIES:
+                _ENSEMBLES.popitem(last=False)
+        else:
+            _ENSEMBLES.move_to_end(key)
+        return ensemble
+
+
+def clear_shared() -> None:
+    """Forget every cached ensemble (loaded weights stay: see ``members.clear_loaded``)."""
+    with _REGISTRY_LOCK:
+        _ENSEMBLES.clear()
+
+
+class Run:
+    """One generation on a (shared) ensemble: iterate for text deltas; ``result`` at the end.
+
+    Options are validated at construction. The ensemble's lock is held for each *round*
+    (one step of the core stream), not for the whole generation: concurrent requests
+    interleave round by round, and a stream abandoned half-way blocks nobody. ``timeout``
+    sets the cancel event from a timer and the run then raises :class:`GenerationTimeout`;
+    a run cancelled before its first round raises :class:`GenerationCancelled`; a run
+    cancelled later ends with ``finish_reason == "cancelled"``.
+    """
+
+    def __init__(self, ensemble: Ensemble, prompt: Prompt, overrides: Mapping[str, Any] | None = None,
+                 timeout: float | None = None) -> None:
+        self.ensemble, self.timeout, self.overrides = ensemble, timeout, dict(overrides or {})
+        self.cancel_event = threading.Event()
+        self.stream = ensemble.stream(prompt, cancel=self.cancel_event, **self.overrides)
+        self.timed_out = False
+        self.result: GenerationResult | None = None
+        self._iter: Iterator[str] | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
+
+    def cancel(self) -> None:
+        """Stop after the current round (idempotent; harmless once finished)."""
+        self.cancel_event.set()
+
+    def _on_deadline(self) -> None:
+        self.timed_out = True
+        self.cancel_event.set()
+
+    def __iter__(self) -> Iterator[str]:
+        if self._iter is None:
+            self._iter = self._steps()
+        return self._iter
+
+    def _steps(self) -> Iterator[str]:
+        timer = None
+        if self.timeout is not None:
+            timer = threading.Timer(self.timeout, self._on_deadline)
+            timer.daemon = True
+            timer.start()
+        lock, deltas, started = self.ensemble.lock, iter(self.stream), False
+        try:
+            while True:
+                while not lock.acquire(timeout=LOCK_POLL_S):
+                    if self.cancelled and not started:
+                        if self.timed_out:
+                            raise GenerationTimeout(self.timeout or 0.0)
+                        raise GenerationCancelled("The generation was cancelled while waiting for the ensemble.")
+                try:  # a run cancelled after its start still takes one (cheap) step: the core reports "cancelled"
+                    started = True
+                    delta = next(deltas, None)
+                finally:
+                    lock.release()
+                if delta is None:
+                    break
+                yield delta
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self.cancel_event.set()  # a consumer that stopped early also stops the core loop
+        self.result = self.stream.result
+        if self.timed_out and self.result is not None and self.result.finish_reason == "cancelled":
+            raise GenerationTimeout(self.timeout or 0.0, self.result.text)
+        assert self.result is not None
+
+    def run(self) -> GenerationResult:
+        """Generate to the end (blocking) and return the result."""
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+    def close(self) -> None:
+        """Cancel and stop iterating now (a sync consumer that stops early)."""
+        self.cancel()
+        if self._iter is not None:
+            self._iter.close()
+
+    async def astream(self) -> AsyncIterator[str]:
+        """The same deltas, produced in a worker thread so that the event loop stays free.
+
+        Closing this iterator early or cancelling the task that awaits it cancels the run;
+        the worker stops after the round it is in.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def post(kind: str, value: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+            except RuntimeError:  # the loop was closed: nobody is listening any more
+                self.cancel()
+
+        def work() -> None:
+            try:
+                for delta in self:
+                    post("delta", delta)
+            except BaseException as exc:  # handed to the awaiting task, re-raised there
+                post("error", exc)
+            else:
+                post("done", None)
+
+        threading.Thread(target=work, name="ensemble-generation", daemon=True).start()
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "delta":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            self.cancel()
+
+    async def arun(self) -> GenerationResult:
+        """Generate to the end in a worker thread; cancelling the awaiting task cancels the run."""
+        async with aclosing(self.astream()) as deltas:
+            async for _ in deltas:
+                pass
+        assert self.result is not None
+        return self.result
