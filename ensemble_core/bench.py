@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .alignment import REPLACEMENT_CHAR, decode
-from .datasets import Problem, cot_prompt, load_dataset, score
+from .datasets import DEFAULT_SHOTS, Problem, cot_prompt, load_dataset, score
 from .ensemble import Ensemble, method_class, resolve_members
 from .errors import ConfigurationError, EnsembleError, InvalidOptionError
 from .members import Member
@@ -58,7 +58,7 @@ class BenchOptions:
     data_path: str | None = None
     limit: int | None = 20
     offset: int = 0
-    shots: int = 0
+    shots: int | None = None  # None: the dataset's default (datasets.DEFAULT_SHOTS)
     methods: tuple[str, ...] = ALL_METHODS
     members: tuple[str, ...] = ("smollm2-135m-instruct", "gemma3-270m")
     devices: tuple[str, ...] = ()
@@ -87,8 +87,8 @@ class BenchOptions:
             raise InvalidOptionError("methods", list(self.methods), "a non-empty subset of " + ", ".join(ALL_METHODS))
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidOptionError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        if not isinstance(self.shots, int) or self.shots < 0:
-            raise InvalidOptionError("shots", self.shots, "an integer >= 0")
+        if self.shots is not None and (not isinstance(self.shots, int) or self.shots < 0):
+            raise InvalidOptionError("shots", self.shots, "an integer >= 0 or None (the dataset's default)")
         bad = [d for d in self.every_token_distributions if d not in ("unite", "gac")]
         if bad or not self.every_token_distributions:
             raise InvalidOptionError("every_token_distributions", list(self.every_token_distributions),
@@ -716,11 +716,12 @@ def run_bench(options: BenchOptions, members: list[Member] | None = None) -> dic
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     problems = load_dataset(options.dataset, options.limit, options.offset, options.data_path)
+    n_shots = options.shots if options.shots is not None else DEFAULT_SHOTS.get(options.dataset, 0)
     shots: list[Problem] = []
-    if options.shots:
+    if n_shots:
         pool = load_dataset(options.dataset, path=options.data_path)
         chosen_ids = {p.id for p in problems}
-        shots = [p for p in reversed(pool) if p.id not in chosen_ids][: options.shots]  # from the far end, never overlapping
+        shots = [p for p in reversed(pool) if p.id not in chosen_ids][:n_shots]  # from the far end, never overlapping
     if members is None:
         member_options: list[dict[str, Any]] = []
         for i in range(len(options.members)):
@@ -772,7 +773,7 @@ def run_bench(options: BenchOptions, members: list[Member] | None = None) -> dic
         micro = verify_microbench(members, reps=options.microbench_reps)
     summary = {
         "meta": {"dataset": options.dataset, "questions": len(problems), "offset": options.offset,
-                 "members": [m.name for m in members], "max_new_tokens": options.max_new_tokens, "shots": options.shots,
+                 "members": [m.name for m in members], "max_new_tokens": options.max_new_tokens, "shots": n_shots,
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                  "command": options.command or "run_bench(...)", "hardware": hardware(),
                  "options": _jsonable(dataclasses.asdict(options))},

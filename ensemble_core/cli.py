@@ -28,6 +28,8 @@ from .errors import ConfigurationError, EnsembleError, InputError, InvalidOption
 from .members import Member
 
 DEMO_QUESTION = "A farmer has 12 cows. He buys 7 more cows and then sells 4. How many cows does the farmer have now?"
+#: The base model of the bundled pair otherwise goes on to invent the next "Question:".
+DEMO_STOP = ("\nQuestion:",)
 
 
 # ---------------------------------------------------------------------------- parsing helpers
@@ -97,6 +99,12 @@ def format_stats(stats: dict[str, Any]) -> list[str]:
     if et is not None:
         lines.append(f"E/T (ensembled / total tokens): {et:.1%}")
     for key, value in stats.items():
+        if key in ("members", "per_member") and isinstance(value, list) and all(isinstance(v, dict) for v in value):
+            for v in value:
+                role = f" ({v['role']})" if "role" in v else ""
+                lines.append(f"{v.get('name', '?')}{role}: {v.get('forward_passes', '?')} forward passes, "
+                             f"{v.get('tokens_fed', '?')} tokens fed, {v.get('seconds', 0.0):.2f} s")
+            continue
         if isinstance(value, float):
             value = round(value, 3)
         elif isinstance(value, dict):
@@ -123,11 +131,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     prompt = cot_prompt(question)
     print(f"\nQuestion: {question}\n")
     for m in members:
-        result = Ensemble([m], method="single").generate(prompt, max_new_tokens=args.max_new_tokens)
+        result = Ensemble([m], method="single").generate(prompt, max_new_tokens=args.max_new_tokens, stop=DEMO_STOP)
         _print_result(f"{m.name} alone", result, result.text)
         print()
     try:
-        ensemble = Ensemble(members, method="safe", max_new_tokens=args.max_new_tokens)
+        ensemble = Ensemble(members, method="safe", max_new_tokens=args.max_new_tokens, stop=DEMO_STOP)
     except ConfigurationError as exc:
         print(f"SAFE ensemble: not available yet in this installation ({exc}). Only the members' own answers are shown.")
         return 1
@@ -266,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-path", default=None, help="GSM8K test.jsonl to read instead of the vendored copy")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--offset", type=int, default=0)
-    p.add_argument("--shots", type=int, default=0, help="few-shot examples (taken from the end of the dataset)")
+    p.add_argument("--shots", type=int, default=None,
+                   help="few-shot examples, taken from the end of the dataset (default: gsm8k 0, arith 2)")
     p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
     p.add_argument("--every-token-distributions", nargs="+", default=["unite"], choices=["unite", "gac"])
     p.add_argument("--safe-drafters", nargs="+", type=int, default=None,

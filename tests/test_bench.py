@@ -184,14 +184,14 @@ def test_unknown_set_field_fails_early(tiny_llama, tiny_gemma, tmp_path: Path) -
 def test_cli_bench_limit_2_runs_every_method_on_the_real_pair(tmp_path: Path, capsys) -> None:
     out = tmp_path / "bench"
     rc = main(["bench", "--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", "24", "--out", str(out),
-               "--every-token-distributions", "unite", "gac", "--microbench-reps", "1", "--no-progress"])
+               "--microbench-reps", "1", "--no-progress"])
     assert rc == 0
     for name in ARTEFACTS:
         assert (out / name).stat().st_size > 0, name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["skipped"] == {}
     assert set(summary["methods"]) == {
-        "single[smollm2-135m-instruct]", "single[gemma3-270m]", "every-token[unite]", "every-token[gac]",
+        "single[smollm2-135m-instruct]", "single[gemma3-270m]", "every-token[unite]",
         "safe[drafter=smollm2-135m-instruct]", "safe[drafter=gemma3-270m]", "specem", "generate-then-select"}
     for label, row in summary["methods"].items():
         assert row["questions"] == 2 and row["errors"] == 0, label

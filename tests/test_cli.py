@@ -51,7 +51,7 @@ def test_demo_runs_members_and_safe(capsys) -> None:
     out = capsys.readouterr().out
     assert "smollm2-135m-instruct alone" in out and "gemma3-270m alone" in out
     assert "SAFE ensemble" in out and "E/T (ensembled / total tokens)" in out
-    assert "accepted:" in out and "replaced:" in out and "rounds:" in out
+    assert "accepted:" in out and "replaced:" in out and "rounds:" in out and "(drafter):" in out
     assert "\ufffd" not in out
 
 

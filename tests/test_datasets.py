@@ -40,6 +40,8 @@ def test_normalize_number(text: str, expected: str | None) -> None:
     ("So she pays 3 dollars.\nThe final answer is: **-5**", "-5"),
     ("The answer is 18.00", "18"),
     ("The answer is 0.75 of the cake", "0.75"),
+    ("Leo had 9 pencils and lost 8.\nThe answer is 9 - 8 = 1.", "1"),
+    ("The answer is: 3 * $4 = $12 in total", "12"),
     # the reference format
     ("Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n#### 18", "18"),
     ("#### 1,000", "1000"),
