@@ -401,7 +401,7 @@ def make_record(row: Row, problem: Problem, out: RunOutput) -> dict[str, Any]:
     return {
         "method": row.label, "kind": row.kind, "question_id": problem.id, "gold": problem.answer,
         "output": out.text, "extracted": predicted, "correct": correct,
-        "latency_s": round(out.seconds, 4), "tokens": out.tokens,
+        "latency_s": round(out.seconds, 4), "tokens": out.tokens, "chars": len(out.text),
         "tokens_per_s": round(out.tokens / out.seconds, 3) if out.seconds > 0 else None,
         "ttft_s": None if out.ttft is None else round(out.ttft, 4),
         "time_to_L_s": None if out.time_to_l is None else round(out.time_to_l, 4),
@@ -430,6 +430,7 @@ def summarize_rows(rows: list[Row], records: list[dict[str, Any]]) -> dict[str, 
         ok = [r for r in recs if "error" not in r]
         lat = [r["latency_s"] for r in ok]
         toks = sum(r["tokens"] for r in ok)
+        chars = sum(r.get("chars", len(r.get("output", ""))) for r in ok)
         ets = [r["et"] for r in ok if r.get("et") is not None]
         ens = [r["stats"].get("ensembled_tokens") for r in ok]
         tot = [r["stats"].get("tokens") for r in ok]
@@ -448,29 +449,36 @@ def summarize_rows(rows: list[Row], records: list[dict[str, Any]]) -> dict[str, 
             "mean_latency_s": _mean(lat), "median_latency_s": statistics.median(lat) if lat else None,
             "total_seconds": sum(lat), "tokens": toks, "mean_tokens": toks / len(ok) if ok else None,
             "tokens_per_s": toks / sum(lat) if lat and sum(lat) > 0 else None,
+            "chars": chars, "s_per_100_chars": 100 * sum(lat) / chars if chars else None,
             "mean_ttft_s": _mean([r["ttft_s"] for r in ok if r.get("ttft_s") is not None]),
             "mean_time_to_L_s": _mean([r["time_to_L_s"] for r in ok if r.get("time_to_L_s") is not None]),
             "et": et_total, "corrupted": sum(r["corrupted"] for r in ok), "finish_reasons": finish,
         }
-    singles = {k: v for k, v in out.items() if v["kind"] == "single" and v["tokens_per_s"]}
-    fast = max(singles, key=lambda k: singles[k]["tokens_per_s"]) if singles else None
-    slow = min(singles, key=lambda k: singles[k]["tokens_per_s"]) if singles else None
-    by_member = {v["member"]: v for v in singles.values()}
+    fast, slow = _fast_slow(out)
+    by_member = {v["member"]: v for v in out.values() if v["kind"] == "single"}
     for v in out.values():
-        lat = v["mean_latency_s"]
-        for key, ref in (("ratio_to_fast", fast), ("ratio_to_slow", slow)):
-            base = out[ref]["mean_latency_s"] if ref else None
-            v[key] = lat / base if lat is not None and base else None
         own = by_member.get(v["drafter"]) if v["drafter"] else None
-        v["ratio_to_drafter"] = lat / own["mean_latency_s"] if own and lat is not None and own["mean_latency_s"] else None
+        for suffix, ref in (("fast", fast), ("slow", slow), ("drafter", own)):
+            v[f"ratio_to_{suffix}"] = _ratio(v["s_per_100_chars"], ref["s_per_100_chars"] if ref else None)
+            v[f"latency_ratio_to_{suffix}"] = _ratio(v["mean_latency_s"], ref["mean_latency_s"] if ref else None)
     return out
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def _fast_slow(summary: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    singles = [v for v in summary.values() if v["kind"] == "single" and v["tokens_per_s"]]
+    """The single rows with the lowest / highest time per output character.
+
+    Characters, not tokens: the members' tokenizers differ, and the members' answers
+    differ in length (a base model may answer in one line where an instruct model writes
+    a page), so time per character is the comparable cost of producing text.
+    """
+    singles = [v for v in summary.values() if v["kind"] == "single" and v["s_per_100_chars"]]
     if not singles:
         return None, None
-    return max(singles, key=lambda v: v["tokens_per_s"]), min(singles, key=lambda v: v["tokens_per_s"])
+    return min(singles, key=lambda v: v["s_per_100_chars"]), max(singles, key=lambda v: v["s_per_100_chars"])
 
 
 def _target(tid: str, text: str, value: float | None, threshold: float, op: str, why_missing: str | None,
@@ -498,21 +506,24 @@ def evaluate_targets(summary: dict[str, dict[str, Any]], skipped: dict[str, str]
     safe_slow = safe_rows.get(slow["member"]) if slow else None
     if fast and slow and fast is slow:
         safe_slow = None
-    value = safe_fast[1]["mean_latency_s"] / slow["mean_latency_s"] if safe_fast and slow else None
+    value = safe_fast[1]["ratio_to_slow"] if safe_fast and slow else None
     targets.append(_target(
         "safe_fast_drafter_vs_slow_member", "SAFE with the fast member drafting: time <= 0.6x the slow member alone",
         value, 0.6, "<=", reason_safe if not safe_fast else "needs single rows of both members",
-        f"{safe_fast[0]} vs single[{slow['member']}]" if safe_fast and slow else ""))
-    value = every[1]["mean_latency_s"] / safe_fast[1]["mean_latency_s"] if every and safe_fast else None
+        f"{safe_fast[0]} vs single[{slow['member']}], time per output character; per question: "
+        f"{_fmt(safe_fast[1]['latency_ratio_to_slow'], 'x')}" if safe_fast and slow else ""))
+    value = _ratio(every[1]["s_per_100_chars"], safe_fast[1]["s_per_100_chars"]) if every and safe_fast else None
     targets.append(_target(
         "safe_vs_every_token", "SAFE (fast drafter) >= 2.5x faster than every-token ensembling (UniTE)",
         value, 2.5, ">=", "needs SAFE and every-token rows" + (f" ({reason_safe})" if not safe_fast else ""),
-        f"{every[0]} time / {safe_fast[0]} time" if every and safe_fast else ""))
+        f"{every[0]} / {safe_fast[0]}, time per output character; per question: "
+        f"{_fmt(_ratio(every[1]['mean_latency_s'], safe_fast[1]['mean_latency_s']), 'x')}" if every and safe_fast else ""))
     value = safe_slow[1]["ratio_to_drafter"] if safe_slow else None
     targets.append(_target(
         "safe_slow_drafter_vs_itself", "SAFE with the slow member drafting: time <= 1.15x that member alone",
         value, 1.15, "<=", reason_safe if not safe_rows else "needs single rows of both members",
-        f"{safe_slow[0]} vs single[{slow['member']}]" if safe_slow and slow else ""))
+        f"{safe_slow[0]} vs single[{slow['member']}], time per output character; per question: "
+        f"{_fmt(safe_slow[1]['latency_ratio_to_drafter'], 'x')}" if safe_slow and slow else ""))
     ets = [(k, v["et"]) for k, v in summary.items() if v["kind"] == "safe" and v["et"] is not None]
     targets.append(_target(
         "safe_et", "E/T (ensembled / total tokens) <= 15 % (worst SAFE row)",
@@ -608,17 +619,20 @@ def write_markdown(path: Path, summary: dict[str, Any]) -> None:
              f"- hardware: {meta['hardware']['platform']}, {meta['hardware']['cpu_count']} CPUs "
              f"({meta['hardware']['torch_threads']} torch threads), torch {meta['hardware']['torch']}"
              + (f", GPUs: {', '.join(meta['hardware']['gpus'])}" if meta['hardware'].get('gpus') else ""), "",
-             "| method | n | accuracy | mean latency s | tokens/s | TTFT/TTFS s | E/T | x own drafter | x fast member "
-             "| x slow member | corrupted | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | n | accuracy | mean latency s | tokens/s | s/100 chars | TTFT/TTFS s | E/T | x own drafter "
+             "| x fast member | x slow member | corrupted | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, v in summary["methods"].items():
         lines.append(f"| {label} | {v['questions']} | {_fmt(v['accuracy'], 'pct')} | {_fmt(v['mean_latency_s'])} | "
-                     f"{_fmt(v['tokens_per_s'], 'f')} | {_fmt(v['mean_ttft_s'])} | {_fmt(v['et'], 'pct')} | "
+                     f"{_fmt(v['tokens_per_s'], 'f')} | {_fmt(v['s_per_100_chars'])} | {_fmt(v['mean_ttft_s'])} | "
+                     f"{_fmt(v['et'], 'pct')} | "
                      f"{_fmt(v['ratio_to_drafter'], 'x')} | {_fmt(v['ratio_to_fast'], 'x')} | "
                      f"{_fmt(v['ratio_to_slow'], 'x')} | {v['corrupted']} | {v['errors']} |")
     lines += ["", "Tokens are counted with each row's primary member's tokenizer (the drafter for SAFE, the "
-              "first member otherwise); latency ratios compare mean time per question on the same questions. "
-              "Fast / slow member: the single row with the highest / lowest tokens per second.", ""]
+              "first member otherwise). The x columns compare time per output character (s/100 chars) on the same "
+              "questions, because the methods' answers differ in length; the per-question latency ratios are in "
+              "summary.json (latency_ratio_to_*). Fast / slow member: the single row with the lowest / highest "
+              "time per character.", ""]
     if summary["skipped"]:
         lines += ["## Skipped methods", ""] + [f"- **{k}**: {v}" for k, v in summary["skipped"].items()] + [""]
     lines += ["## Targets (SAFE and SpecEM issues)", "", "| target | value | threshold | status | detail |",

@@ -34,10 +34,10 @@ ARTEFACTS = ("results.jsonl", "summary.json", "summary.md", "latency_per_method.
 
 
 def _rec(method: str, qid: str, latency: float, tokens: int = 10, correct: bool = True, et: float | None = None,
-         ttft: float | None = 0.1, time_to_l: float | None = None, kind: str = "x") -> dict:
+         ttft: float | None = 0.1, time_to_l: float | None = None, kind: str = "x", chars: int = 100) -> dict:
     stats = {} if et is None else {"tokens": tokens, "ensembled_tokens": round(et * tokens)}
     return {"method": method, "kind": kind, "question_id": qid, "latency_s": latency, "tokens": tokens,
-            "correct": correct, "ttft_s": ttft, "time_to_L_s": time_to_l, "et": et, "corrupted": False,
+            "chars": chars, "correct": correct, "ttft_s": ttft, "time_to_L_s": time_to_l, "et": et, "corrupted": False,
             "finish_reason": "eos", "stats": stats}
 
 
@@ -82,6 +82,23 @@ def test_summary_ratios_and_targets_from_records() -> None:
     assert targets["safe_slow_drafter_vs_itself"]["status"] == "missed"
     assert targets["safe_et"]["status"] == "missed"
     assert targets["verify_in_line_speedup"]["status"] == "missed"
+
+
+def test_speed_ratios_are_per_output_character() -> None:
+    """A member that answers in one line is not "fast" just because its answers are short."""
+    rows = [Row("single[brief]", "single", runner=object(), member="brief"),
+            Row("single[verbose]", "single", runner=object(), member="verbose"),
+            Row("safe[drafter=verbose]", "safe", runner=object(), drafter="verbose")]
+    records = [_rec("single[brief]", "q", 1.0, chars=20), _rec("single[verbose]", "q", 4.0, chars=400),
+               _rec("safe[drafter=verbose]", "q", 5.0, chars=400, et=0.1)]
+    summary = summarize_rows(rows, records)
+    assert summary["single[brief]"]["s_per_100_chars"] == pytest.approx(5.0)
+    assert summary["single[verbose]"]["ratio_to_slow"] == pytest.approx(0.2)  # verbose is the fast member
+    safe = summary["safe[drafter=verbose]"]
+    assert safe["ratio_to_drafter"] == pytest.approx(1.25) and safe["ratio_to_fast"] == pytest.approx(1.25)
+    assert safe["latency_ratio_to_slow"] == pytest.approx(5.0) and safe["ratio_to_slow"] == pytest.approx(0.25)
+    target = next(t for t in evaluate_targets(summary, {}, None) if t["id"] == "safe_fast_drafter_vs_slow_member")
+    assert target["status"] == "met" and "per question: 5.00x" in target["detail"]
 
 
 def test_targets_not_evaluated_say_why() -> None:
