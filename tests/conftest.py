@@ -14,6 +14,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One intra-op thread: the suite runs generations in worker threads (async adapters) next to
+# the main thread, and two OpenMP pools spinning on 2 cores slowed steps 5-20x when measured.
+torch.set_num_threads(int(os.environ.get("ENSEMBLE_TEST_THREADS", "1")))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from ensemble_core import Member  # noqa: E402
