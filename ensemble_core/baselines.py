@@ -160,7 +160,7 @@ from .distributions import (  # noqa: E402
     sharpen,
 )
 from .errors import InvalidOptionError  # noqa: E402
-from .safe import EMPTY, response_lead  # noqa: E402
+from .safe import EMPTY  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         if key not in self._fusions:
             self._fusions[key] = make_distribution(config.distribution, self.members, config.top_k)
         states = [m.start(prompt, config.max_new_tokens) for m in self.members]
-        return _EveryTokenRequest(states, [response_lead(m, prompt) for m in self.members], [EMPTY] * len(states),
+        return _EveryTokenRequest(states, [m.response_lead(prompt) for m in self.members], [EMPTY] * len(states),
                                   config, self._fusions[key], make_generator(config))
 
     def step(self, request: _EveryTokenRequest) -> Chunk:

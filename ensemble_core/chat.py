@@ -97,3 +97,23 @@ def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     else:
         rest.insert(0, {"role": "user", "content": system})
     return rest
+
+
+_REPLY_MARKER = "\u2063reply\u2063"
+
+
+def reply_lead(tokenizer: Any, messages: list[dict[str, str]], template: str | None = None) -> str:
+    """Whitespace a chat format puts between its generation prompt and the reply.
+
+    Rendered once with a marker reply: the fallback transcript gives ``"Assistant: <reply>"``
+    after a generation prompt ending in ``"Assistant:"``, so its lead is ``" "``; ChatML
+    gives ``""``. Anything that is not pure whitespace (a template adding tags) gives ``""``.
+    Ensemble methods share the reply as text after each member's own lead.
+    """
+    opened = render_chat(tokenizer, messages, template)
+    full = render_chat(tokenizer, messages + [{"role": "assistant", "content": _REPLY_MARKER}], template)
+    at = full.find(_REPLY_MARKER)
+    if at < 0 or not full.startswith(opened):
+        return ""
+    lead = full[len(opened):at]
+    return lead if lead.isspace() else ""

@@ -21,7 +21,7 @@ import torch
 from . import alignment
 from .bundled import BUNDLED, convert_gguf
 from .cache import can_crop_exactly, crop, new_cache
-from .chat import FALLBACK_STOPS, Prompt, normalize_messages, render_chat
+from .chat import FALLBACK_STOPS, Prompt, normalize_messages, render_chat, reply_lead
 from .errors import (
     InputError,
     InvalidOptionError,
@@ -205,6 +205,10 @@ class Member:
     def render(self, prompt: Prompt) -> str:
         """The prompt as this member's own chat-formatted text, ending in the generation prompt."""
         return render_chat(self.tokenizer, normalize_messages(prompt), self.chat_template)
+
+    def response_lead(self, prompt: Prompt) -> str:
+        """Whitespace this member's chat format puts before a reply (see :func:`chat.reply_lead`)."""
+        return reply_lead(self.tokenizer, normalize_messages(prompt), self.chat_template)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a rendered prompt; BOS is added once, where the tokenizer wants it."""

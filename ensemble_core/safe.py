@@ -35,7 +35,7 @@ One round (:meth:`SafeEnsemble.step`):
 
 Reply lead: a base-model transcript ends its prompt with ``"Assistant:"`` and continues
 with ``" The"``, a chat template ends with ``"assistant\n"`` and continues with ``"The"``.
-Each member sees the shared text after its own *lead* (:func:`response_lead`, read off
+Each member sees the shared text after its own *lead* (:meth:`Member.response_lead`, read off
 its template), and at the very start of the reply a member's candidates are compared
 after stripping its lead (``prefixes`` of :meth:`Distribution.fuse`); otherwise the
 first point would be a vote on whitespace.
@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from .alignment import DECODE_CONTEXT, DEFAULT_MARGIN, REPLACEMENT_CHAR, Tokenized, decode_suffix, encode_continuation
-from .chat import Prompt, normalize_messages, render_chat
+from .chat import Prompt
 from .distributions import Distribution, EndOfText, check_fusion_options, make_distribution, member_table, sharpen
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
@@ -71,26 +71,6 @@ MAX_CHAR_TOKENS = 4
 GAC_DRAFTER_CONFIDENT = 0.5
 
 EMPTY = Tokenized("", (), (), (), ())
-_MARKER = "\u2063reply\u2063"
-
-
-def response_lead(member: Member, prompt: Prompt) -> str:
-    """Whitespace that ``member``'s chat format puts between its generation prompt and a reply.
-
-    Rendered once with a marker reply: the fallback transcript gives ``"Assistant: <reply>"``
-    after a generation prompt ending in ``"Assistant:"``, so its lead is ``" "``; ChatML
-    gives ``""``. Anything that is not pure whitespace (a template adding tags) gives ``""``.
-    """
-    messages = normalize_messages(prompt)
-    opened = member.render(messages)
-    full = render_chat(member.tokenizer, messages + [{"role": "assistant", "content": _MARKER}], member.chat_template)
-    at = full.find(_MARKER)
-    if at < 0 or not full.startswith(opened):
-        return ""
-    lead = full[len(opened):at]
-    return lead if lead.isspace() else ""
-
-
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise InvalidOptionError(name, value, f"an integer >= {minimum}")
@@ -133,7 +113,7 @@ class SafeConfig(GenerationConfig):
 class _View:
     """One member within a request: its ids + KV cache, and its tokenization of its text.
 
-    A member's text is ``lead + shared text`` (see :func:`response_lead`). For the drafter
+    A member's text is ``lead + shared text`` (see :meth:`Member.response_lead`). For the drafter
     ``tokens`` are its own (generated) ids of that text, empty while nothing is committed;
     for a verifier, its encoding of the last window (lead + committed text + draft).
     """
@@ -281,7 +261,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         views = []
         for m in self.members:
             eos = torch.tensor(sorted(m.eos_token_ids), dtype=torch.long)
-            views.append(_View(m, m.start(prompt, config.max_new_tokens), response_lead(m, prompt), EMPTY, eos))
+            views.append(_View(m, m.start(prompt, config.max_new_tokens), m.response_lead(prompt), EMPTY, eos))
         return SafeRequest(config, views, config.drafter, self.fusion(config.distribution, config.top_k),
                            make_generator(config))
 

@@ -53,7 +53,6 @@ from .chat import Prompt
 from .errors import ConfigurationError, InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
 from .members import DecodeState, Member
-from .safe import response_lead  # the same reply lead as SAFE (derived from the chat template)
 from .verify_inline import SCORING_KINDS, branch_step, cache_branch, check_verifier, score_candidates_inline
 
 NORMALIZATIONS = ("softmax", "minmax", "none")
@@ -278,7 +277,7 @@ def start_tracks(members: Sequence[Member], prompt: Prompt, config: GenerationCo
     tracks = []
     for i, m in enumerate(members):
         seeded = config.replace(seed=config.seed + i) if config.do_sample and config.seed is not None else config
-        tracks.append(Track(m, m.start(prompt, config.max_new_tokens), response_lead(m, prompt),
+        tracks.append(Track(m, m.start(prompt, config.max_new_tokens), m.response_lead(prompt),
                             alignment.tokenize(m.tokenizer, ""), make_generator(seeded)))
     return tracks
 

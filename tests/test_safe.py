@@ -23,7 +23,7 @@ from ensemble_core.baselines import EveryTokenConfig, EveryTokenEnsemble
 from ensemble_core.ensemble import Ensemble
 from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
 from ensemble_core.generation import GenerationResult
-from ensemble_core.safe import SafeConfig, SafeEnsemble, SafeRequest, response_lead
+from ensemble_core.safe import SafeConfig, SafeEnsemble, SafeRequest
 
 FFFD = "\ufffd"
 
@@ -153,8 +153,8 @@ def test_defaults_and_member_checks(tiny_llama: Member, tiny_gemma: Member) -> N
 
 
 def test_reply_lead_comes_from_the_template(tiny_llama: Member, tiny_gemma: Member) -> None:
-    assert response_lead(tiny_llama, "Hi") == ""  # ChatML: "<|im_start|>assistant\n" + reply
-    assert response_lead(tiny_gemma, "Hi") == " "  # fallback transcript: "Assistant:" + " " + reply
+    assert tiny_llama.response_lead("Hi") == ""  # ChatML: "<|im_start|>assistant\n" + reply
+    assert tiny_gemma.response_lead("Hi") == " "  # fallback transcript: "Assistant:" + " " + reply
 
 
 # ============================================================================ scripted members
