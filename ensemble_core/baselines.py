@@ -2,19 +2,47 @@
 
 * :class:`SingleModel`: one member decoding alone through the member API (the reference
   every ensemble is compared with; its tokens equal ``model.generate``'s).
+* :class:`GenerateThenSelect`: every member answers fully, the answers are cross-scored with
+  SpecEM's scorer and the best is returned (the latency baseline SpecEM improves on).
+* :class:`EveryTokenEnsemble`: UniTE / GaC fusion at *every* token with no stability check,
+  through the same distribution code as SAFE (the slow, unstable baseline SAFE fixes).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .alignment import IncrementalDecoder
+from .alignment import DEFAULT_MARGIN, IncrementalDecoder, Tokenized, encode_continuation
 from .chat import Prompt
+from .distributions import (
+    Distribution,
+    EndOfText,
+    check_fusion_options,
+    make_distribution,
+    sharpen,
+)
+from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
-from .members import DecodeState
+from .members import DecodeState, Member
+from .safe import EMPTY
+from .specem import (
+    Candidate,
+    SelectionConfig,
+    Track,
+    draft,
+    finish_text,
+    normalize_scores,
+    resolve_roles,
+    run_all,
+    select_candidate,
+    start_tracks,
+    use_threads,
+    verify,
+)
 
 
 @dataclass
@@ -60,24 +88,7 @@ class SingleModel(EnsembleMethod[GenerationConfig]):
 
 # --------------------------------------------------------------------------- generate-then-select
 # Appended block: its imports live here so that this baseline stays one self-contained edit.
-import time  # noqa: E402
-from dataclasses import field  # noqa: E402
 
-from .members import Member  # noqa: E402
-from .specem import (  # noqa: E402
-    Candidate,
-    SelectionConfig,
-    Track,
-    draft,
-    finish_text,
-    normalize_scores,
-    resolve_roles,
-    run_all,
-    select_candidate,
-    start_tracks,
-    use_threads,
-    verify,
-)
 
 
 @dataclass
@@ -151,16 +162,6 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
 
 # --------------------------------------------------------------------------- every-token ensemble
 # Appended block: its imports live here so that this baseline stays one self-contained edit.
-from .alignment import DEFAULT_MARGIN, Tokenized, encode_continuation  # noqa: E402
-from .distributions import (  # noqa: E402
-    Distribution,
-    EndOfText,
-    check_fusion_options,
-    make_distribution,
-    sharpen,
-)
-from .errors import InvalidOptionError  # noqa: E402
-from .safe import EMPTY  # noqa: E402
 
 
 @dataclass(frozen=True)
