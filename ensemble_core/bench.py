@@ -502,6 +502,9 @@ def evaluate_targets(summary: dict[str, dict[str, Any]], skipped: dict[str, str]
     reason_safe = skipped.get(next((k for k in skipped if k.startswith("safe")), ""), "SAFE rows not run")
     targets = []
 
+    no_singles = ("needs single rows of two members with output text (time per character is undefined for "
+                  "empty answers)")
+    why_safe = reason_safe if not safe_rows else no_singles if not (fast and slow and fast is not slow) else "no data"
     safe_fast = safe_rows.get(fast["member"]) if fast else None
     safe_slow = safe_rows.get(slow["member"]) if slow else None
     if fast and slow and fast is slow:
@@ -509,19 +512,19 @@ def evaluate_targets(summary: dict[str, dict[str, Any]], skipped: dict[str, str]
     value = safe_fast[1]["ratio_to_slow"] if safe_fast and slow else None
     targets.append(_target(
         "safe_fast_drafter_vs_slow_member", "SAFE with the fast member drafting: time <= 0.6x the slow member alone",
-        value, 0.6, "<=", reason_safe if not safe_fast else "needs single rows of both members",
+        value, 0.6, "<=", why_safe,
         f"{safe_fast[0]} vs single[{slow['member']}], time per output character; per question: "
         f"{_fmt(safe_fast[1]['latency_ratio_to_slow'], 'x')}" if safe_fast and slow else ""))
     value = _ratio(every[1]["s_per_100_chars"], safe_fast[1]["s_per_100_chars"]) if every and safe_fast else None
     targets.append(_target(
         "safe_vs_every_token", "SAFE (fast drafter) >= 2.5x faster than every-token ensembling (UniTE)",
-        value, 2.5, ">=", "needs SAFE and every-token rows" + (f" ({reason_safe})" if not safe_fast else ""),
+        value, 2.5, ">=", why_safe if not safe_fast else "needs an every-token row with output text",
         f"{every[0]} / {safe_fast[0]}, time per output character; per question: "
         f"{_fmt(_ratio(every[1]['mean_latency_s'], safe_fast[1]['mean_latency_s']), 'x')}" if every and safe_fast else ""))
     value = safe_slow[1]["ratio_to_drafter"] if safe_slow else None
     targets.append(_target(
         "safe_slow_drafter_vs_itself", "SAFE with the slow member drafting: time <= 1.15x that member alone",
-        value, 1.15, "<=", reason_safe if not safe_rows else "needs single rows of both members",
+        value, 1.15, "<=", why_safe,
         f"{safe_slow[0]} vs single[{slow['member']}], time per output character; per question: "
         f"{_fmt(safe_slow[1]['latency_ratio_to_drafter'], 'x')}" if safe_slow and slow else ""))
     ets = [(k, v["et"]) for k, v in summary.items() if v["kind"] == "safe" and v["et"] is not None]

@@ -169,7 +169,10 @@ def test_run_bench_writes_every_artefact_on_tiny_members(tiny_llama, tiny_gemma,
     assert len(records) == 2 * len(labels) and not [r for r in records if "error" in r]
     assert [r["question_id"] for r in records[: len(labels)]] == ["arith-0"] * len(labels)  # interleaved per question
     assert all(r["et"] is not None for r in records if r["kind"] in ("safe", "every-token"))
-    assert {t["status"] for t in summary["targets"]} <= {"met", "missed"}
+    assert len(summary["targets"]) == 6
+    for t in summary["targets"]:  # random weights may write only whitespace: then a ratio has no data, and says so
+        assert t["status"] in ("met", "missed") or (t["status"] == "not evaluated" and t["detail"]), t
+    assert summary["targets"][-1]["status"] in ("met", "missed")  # the microbenchmark always has data
     md = (tmp_path / "summary.md").read_text()
     assert "## Targets" in md and all(label in md for label in labels)
     assert summary["microbench"]["speedup_4"] > 0
