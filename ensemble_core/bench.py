@@ -273,22 +273,6 @@ def _overrides(method: str, options: BenchOptions) -> dict[str, Any]:
     return chosen
 
 
-def _safe_drafter_field() -> str:
-    fields = _config_fields("safe")
-    for name in ("drafter", "drafter_index", "drafter_idx"):
-        if name in fields:
-            return name
-    raise ConfigurationError("SafeConfig has no drafter field; cannot benchmark both drafter choices.")
-
-
-def _every_token_field() -> str:
-    fields = _config_fields("every-token")
-    for name in ("distribution", "fusion", "ensemble_distribution"):
-        if name in fields:
-            return name
-    raise ConfigurationError("The every-token config has no distribution field; cannot choose UniTE / GaC.")
-
-
 def check_available(options: BenchOptions) -> None:
     """Raise early for ``--set`` names no requested method knows (a typo would otherwise be silent)."""
     for key, values in options.method_config.items():
@@ -335,22 +319,12 @@ def build_rows(members: list[Member], options: BenchOptions) -> list[Row]:
             rows.append(Row(method, method, skipped=str(exc)))
             continue
         if method == "every-token":
-            try:
-                dist_field = _every_token_field()
-            except ConfigurationError as exc:
-                rows.append(Row("every-token", method, skipped=str(exc)))
-                continue
             for dist in options.every_token_distributions:
-                cfg = {**base, dist_field: dist}
+                cfg = {**base, "distribution": dist}
                 add(f"every-token[{dist}]", method, ensemble(method, members, **cfg), config=cfg)
         elif method == "safe":
-            try:
-                drafter_field = _safe_drafter_field()
-            except ConfigurationError as exc:
-                rows.append(Row("safe", method, skipped=str(exc)))
-                continue
             for i in options.safe_drafters if options.safe_drafters is not None else range(len(members)):
-                cfg = {**base, drafter_field: i}
+                cfg = {**base, "drafter": i}
                 add(f"safe[drafter={members[i].name}]", method, ensemble(method, members, **cfg),
                     drafter=members[i].name, config=cfg)
         else:
