@@ -248,9 +248,12 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
 
     def stats(self, request: _EveryTokenRequest) -> dict[str, Any]:
         tokens = self.members[0].count_tokens(request.text) if request.text else 0
+        # Every committed token comes out of a fusion step, so E/T is 1 by construction. The
+        # number of fusion steps (``rounds``) differs from ``tokens``: one fused string can span
+        # several tokens of the first member, and a string of special tokens adds no text.
         return {"method": self.name, "distribution": request.config.distribution, "tokens": tokens,
-                "ensembled": request.ensembled, "ensembled_tokens": request.ensembled,
-                "e_t": request.ensembled / tokens if tokens else 0.0, "rounds": request.ensembled,
+                "ensembled": tokens, "ensembled_tokens": tokens,
+                "e_t": 1.0 if tokens else 0.0, "rounds": request.ensembled,
                 "members": [{"name": s.member.name, "forward_passes": s.stats.forward_passes,
                              "tokens_fed": s.stats.tokens_fed, "seconds": round(s.stats.seconds, 4),
                              "reprefills": s.stats.reprefills} for s in request.states]}

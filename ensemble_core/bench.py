@@ -524,6 +524,12 @@ def evaluate_targets(summary: dict[str, dict[str, Any]], skipped: dict[str, str]
 
 
 # ============================================================================ microbenchmark
+def _synchronize(member: Member) -> None:
+    """Wait for the member's accelerator (a no-op on the CPU)."""
+    if member.device.type == "cuda":
+        torch.cuda.synchronize(member.device)
+
+
 def verify_microbench(members: list[Member], reps: int = 5, candidates: Sequence[int] = (2, 4)) -> dict[str, Any]:
     """Time SpecEM's verify-in-line pass against scoring each candidate separately.
 
@@ -551,9 +557,11 @@ def verify_microbench(members: list[Member], reps: int = 5, candidates: Sequence
             cands = [member.tokenizer(t, add_special_tokens=False)["input_ids"] for t in chosen]
             for name, fn in (("inline", score_candidates_inline), ("separate", score_candidates_separately)):
                 fn(state, cands)  # warm-up
+                _synchronize(member)
                 t0 = time.perf_counter()
                 for _ in range(reps):
                     fn(state, cands)
+                _synchronize(member)  # GPU kernels run asynchronously: wait before reading the clock
                 times[name] += (time.perf_counter() - t0) / reps
         result[f"inline_s_{k}"] = times["inline"]
         result[f"separate_s_{k}"] = times["separate"]

@@ -234,7 +234,9 @@ def test_sampling_is_reproducible_under_a_seed(tiny_llama: Member, tiny_gemma: M
 def test_every_token_baseline(tiny_llama: Member, tiny_gemma: Member, distribution: str) -> None:
     method = EveryTokenEnsemble([tiny_llama, tiny_gemma], distribution=distribution, max_new_tokens=6)
     result = method.generate(PROMPTS[0])
-    assert FFFD not in result.text and result.stats["ensembled"] >= 1
+    assert FFFD not in result.text and result.stats["rounds"] >= 1
+    tokens = result.stats["tokens"]  # every token comes out of a fusion step: E/T is 1, never above
+    assert result.stats["ensembled"] == tokens and result.stats["e_t"] == (1.0 if tokens else 0.0)
     assert result.stats["members"][0]["forward_passes"] == result.stats["members"][1]["forward_passes"]
     assert "".join(method.stream(PROMPTS[0])) == result.text
     assert [r.text for r in method.batch(PROMPTS[:1])] == [result.text]

@@ -1,0 +1,185 @@
+"""GPU check: speed, verify-in-line and placement with 1B-class random-weight members.
+
+Not collected by pytest (CI has no GPU). Run it on a CUDA machine from the repository root::
+
+    python tests/gpu_check.py --tokenizers DIR --out results/gpu
+
+``DIR`` holds ``smol/`` and ``gemma/``: the bundled models' tokenizer files (the GGUF files
+themselves are too big to ship to a lent GPU box; random weights are enough to measure
+speed, because every forward pass costs the same whatever the weights are). ``--dry``
+runs the same script on the CPU with tiny shapes, to check it before spending GPU time.
+
+What it measures, written to ``OUT/gpu_check.json`` and printed:
+
+- ``single``: greedy tokens/s of each member alone (``model.generate``).
+- ``verify_inline``: inline vs separate scoring at 2/4/8 candidates (bf16 timings) and
+  the largest score difference between the two in float32.
+- ``safe_ceiling``: SAFE with the 135M-shaped drafter and a 1B verifier with ensembling
+  switched off (threshold 0: every draft accepted), i.e. the speed SAFE reaches when the
+  members agree, vs the verifier alone; plus one default-threshold run (random members
+  disagree everywhere, so that one is a stress test of the ensemble path, not a speed claim).
+- ``specem``: time to first segment and total time with two 1B members.
+- ``placement``: SAFE and SpecEM with the members on different devices (cuda and cpu).
+
+``--save DIR`` also writes two of the members as model folders, so that ``ensemble bench
+--members DIR/drafter-135m DIR/gemma-1b --device cuda`` can run the harness unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ensemble_core import Ensemble  # noqa: E402
+from ensemble_core.bench import verify_microbench  # noqa: E402
+from ensemble_core.datasets import cot_prompt  # noqa: E402
+from ensemble_core.members import Member  # noqa: E402
+from ensemble_core.verify_inline import score_candidates_inline, score_candidates_separately  # noqa: E402
+
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May?")
+
+SHAPES = {  # name: (tokenizer, architecture, config overrides)
+    "drafter-135m": ("smol", "llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                           num_attention_heads=9, num_key_value_heads=3)),
+    "llama-1b": ("smol", "llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                       num_attention_heads=32, num_key_value_heads=8)),
+    "gemma-1b": ("gemma", "gemma", dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=256)),
+}
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def build(name: str, tokenizers: Path, device: str, dtype: torch.dtype, dry: bool) -> Member:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig
+
+    tok_name, arch, shape = SHAPES[name]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers / tok_name, local_files_only=True)
+    shape = dict(TINY, head_dim=16) if dry and arch == "gemma" else (TINY if dry else shape)
+    common = dict(vocab_size=len(tokenizer), max_position_embeddings=8192, bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **shape)
+    if arch == "gemma":
+        layers = common["num_hidden_layers"]
+        config = Gemma3TextConfig(sliding_window=512, layer_types=[
+            "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)], **common)
+    else:
+        config = LlamaConfig(tie_word_embeddings=True, **common)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval().requires_grad_(False)
+    return Member(model, tokenizer, name=name)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def single_speed(member: Member, tokens: int) -> dict:
+    ids = member.tokenizer(QUESTION, return_tensors="pt").input_ids.to(member.device)
+    member.model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    member.model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    sync()
+    dt = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
+
+
+def inline_equality(member: Member) -> float:
+    """Largest |inline - separate| over candidates of different lengths, in float32."""
+    member.model.float()
+    state = member.start([{"role": "user", "content": QUESTION}])
+    state.score()
+    texts = [" First", " In May she sold half as many clips", " The total is 48 + 24 = 72.", " So"]
+    cands = [member.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    a = score_candidates_inline(state, cands)
+    b = score_candidates_separately(state, cands)
+    member.model.to(torch.bfloat16)
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def run_method(members: list[Member], method: str, tokens: int, **config) -> dict:
+    ens = Ensemble(members, method=method, max_new_tokens=tokens, **config)
+    prompt = cot_prompt(QUESTION)
+    ens.generate(prompt, max_new_tokens=4)  # warm-up
+    sync()
+    result = ens.generate(prompt)
+    tokens = result.stats.get("tokens", result.completion_tokens)  # random weights may pick text-less special tokens
+    return {"tokens": tokens, "seconds": result.seconds,
+            "tokens_per_s": tokens / result.seconds if result.seconds else None,
+            "time_to_first_chunk": result.time_to_first_chunk, "finish_reason": result.finish_reason,
+            "stats": result.stats, "text_head": result.text[:80]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizers", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=Path("results/gpu"))
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--save", type=Path, help="also save drafter-135m and gemma-1b here (for `ensemble bench`)")
+    args = parser.parse_args()
+    device = "cpu" if args.dry else "cuda"
+    dtype = torch.float32 if args.dry else torch.bfloat16
+    report: dict = {"env": {"torch": torch.__version__, "python": platform.python_version(),
+                            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
+    import transformers
+
+    report["env"]["transformers"] = transformers.__version__
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+
+    def step(key: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            report[key] = fn()
+        except Exception as exc:  # noqa: BLE001 - every check reports, one failure does not hide the others
+            report[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"== {key} ({time.perf_counter() - t0:.1f} s)\n{json.dumps(report[key], indent=1, default=str)}",
+              flush=True)
+        save()
+
+    members = {name: build(name, args.tokenizers, device, dtype, args.dry) for name in SHAPES}
+    step("single", lambda: {n: single_speed(m, args.tokens) for n, m in members.items()})
+    step("verify_inline", lambda: {
+        "timing_bf16": verify_microbench([members["llama-1b"], members["gemma-1b"]], reps=10, candidates=(2, 4, 8)),
+        "max_abs_diff_fp32": {n: inline_equality(members[n]) for n in ("llama-1b", "gemma-1b")}})
+    pair = [members["drafter-135m"], members["llama-1b"]]
+    step("safe_ceiling", lambda: {
+        "safe_threshold0": run_method(pair, "safe", args.tokens, consensus_threshold=0.0),
+        "safe_default_random_weights": run_method(pair, "safe", args.tokens // 2),
+        "every_token_unite": run_method(pair, "every-token", args.tokens // 2)})
+    step("specem", lambda: {"specem_two_1b": run_method([members["llama-1b"], members["gemma-1b"]], "specem",
+                                                       args.tokens)})
+
+    def placement() -> dict:
+        other = build("gemma-1b", args.tokenizers, "cpu", torch.float32, dry=True)  # tiny, on the CPU
+        mixed = [members["drafter-135m"], other]
+        return {"devices": [str(m.device) for m in mixed], "safe": run_method(mixed, "safe", 32),
+                "specem": run_method(mixed, "specem", 32)}
+
+    step("placement", placement)
+    if args.save:
+        for name in ("drafter-135m", "gemma-1b"):
+            members[name].model.save_pretrained(args.save / name)
+            members[name].tokenizer.save_pretrained(args.save / name)
+    if torch.cuda.is_available():
+        report["env"]["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
