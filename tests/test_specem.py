@@ -20,6 +20,7 @@ from ensemble_core.specem import (
     normalize_scores,
     postprocess_segment,
     select_candidate,
+    use_threads,
 )
 from ensemble_core.testing import tiny_config
 from ensemble_core.verify_inline import (
@@ -247,6 +248,17 @@ def test_threads_give_the_same_result(tiny_pair: list[Member]) -> None:
     options = dict(max_new_tokens=16, segment_length=4)
     threaded = SpecEMEnsemble(tiny_pair, parallel=True, **options).generate("Hello there")
     assert threaded.text == SpecEMEnsemble(tiny_pair, parallel=False, **options).generate("Hello there").text
+
+
+def test_automatic_threads(tiny_llama: Member, tiny_gemma: Member, monkeypatch: pytest.MonkeyPatch) -> None:
+    """None: threads for distinct CPU members on a multi-core machine, never for shared objects."""
+    auto, on, off = SpecEMConfig(), SpecEMConfig(parallel=True), SpecEMConfig(parallel=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert use_threads([tiny_llama, tiny_gemma], auto) and not use_threads([tiny_llama, tiny_gemma], off)
+    same_tokenizer = Member(tiny_llama.model, tiny_llama.tokenizer, name="again")  # one fast tokenizer, two threads
+    assert not use_threads([tiny_llama, same_tokenizer], auto) and use_threads([tiny_llama, same_tokenizer], on)
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert not use_threads([tiny_llama, tiny_gemma], auto)
 
 
 def test_tracks_stay_in_sync_with_a_verifier_only_member(tiny_pair: list[Member]) -> None:
