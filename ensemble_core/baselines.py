@@ -87,9 +87,6 @@ class SingleModel(EnsembleMethod[GenerationConfig]):
 
 
 # --------------------------------------------------------------------------- generate-then-select
-# Appended block: its imports live here so that this baseline stays one self-contained edit.
-
-
 
 @dataclass
 class _SelectRequest:
@@ -161,9 +158,6 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
 
 
 # --------------------------------------------------------------------------- every-token ensemble
-# Appended block: its imports live here so that this baseline stays one self-contained edit.
-
-
 @dataclass(frozen=True)
 class EveryTokenConfig(GenerationConfig):
     """Every-token ensembling options: the fusion rule (``"unite"`` or ``"gac"``), its

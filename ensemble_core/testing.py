@@ -24,21 +24,22 @@ def bundled_tokenizer(alias: str) -> Any:
 
 
 def tiny_config(alias: str, tokenizer: Any, hidden: int = 64, layers: int = 2, **overrides: Any) -> Any:
-    """A small config of the bundled model's architecture with the tokenizer's vocabulary."""
+    """A config of the bundled model's architecture with the tokenizer's vocabulary.
+
+    Small by default; ``overrides`` replace any field (heads, intermediate size, ...), so
+    the same function also builds full-size shapes (``tests/gpu_check.py``).
+    """
     from transformers import Gemma3TextConfig, LlamaConfig
 
-    vocab = len(tokenizer)
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
+    fields: dict[str, Any] = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if alias.startswith("gemma"):
-        common.update(head_dim=hidden // 4, sliding_window=overrides.pop("sliding_window", 512),
-                      layer_types=overrides.pop("layer_types", None))
-        if common["layer_types"] is None:
-            common["layer_types"] = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
-        return Gemma3TextConfig(**common, **overrides)
-    return LlamaConfig(**common, tie_word_embeddings=True, **overrides)
+        fields.update(head_dim=hidden // 4, sliding_window=512,
+                      layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)])
+        return Gemma3TextConfig(**{**fields, **overrides})
+    return LlamaConfig(**{**fields, "tie_word_embeddings": True, **overrides})
 
 
 def tiny_member(alias: str, seed: int = 0, name: str | None = None, **overrides: Any) -> Member:

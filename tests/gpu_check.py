@@ -42,36 +42,29 @@ from ensemble_core import Ensemble  # noqa: E402
 from ensemble_core.bench import verify_microbench  # noqa: E402
 from ensemble_core.datasets import cot_prompt  # noqa: E402
 from ensemble_core.members import Member  # noqa: E402
+from ensemble_core.testing import tiny_config  # noqa: E402
 from ensemble_core.verify_inline import score_candidates_inline, score_candidates_separately  # noqa: E402
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?")
 
-SHAPES = {  # name: (tokenizer, architecture, config overrides)
-    "drafter-135m": ("smol", "llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                           num_attention_heads=9, num_key_value_heads=3)),
-    "llama-1b": ("smol", "llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                       num_attention_heads=32, num_key_value_heads=8)),
-    "gemma-1b": ("gemma", "gemma", dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
-                                        num_attention_heads=4, num_key_value_heads=1, head_dim=256)),
+SHAPES = {  # name: (bundled alias whose tokenizer and architecture it takes, tokenizer folder, config fields)
+    "drafter-135m": ("smollm2-135m-instruct", "smol", dict(hidden=576, layers=30, intermediate_size=1536,
+                                                          num_attention_heads=9, num_key_value_heads=3)),
+    "llama-1b": ("smollm2-135m-instruct", "smol", dict(hidden=2048, layers=16, intermediate_size=8192,
+                                                      num_attention_heads=32, num_key_value_heads=8)),
+    "gemma-1b": ("gemma3-270m", "gemma", dict(hidden=1152, layers=26, intermediate_size=6912,
+                                              num_attention_heads=4, num_key_value_heads=1, head_dim=256)),
 }
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def build(name: str, tokenizers: Path, device: str, dtype: torch.dtype, dry: bool) -> Member:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig
+    """A random-weight member of that shape (``dry``: tiny_config's small default shape)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok_name, arch, shape = SHAPES[name]
-    tokenizer = AutoTokenizer.from_pretrained(tokenizers / tok_name, local_files_only=True)
-    shape = dict(TINY, head_dim=16) if dry and arch == "gemma" else (TINY if dry else shape)
-    common = dict(vocab_size=len(tokenizer), max_position_embeddings=8192, bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **shape)
-    if arch == "gemma":
-        layers = common["num_hidden_layers"]
-        config = Gemma3TextConfig(sliding_window=512, layer_types=[
-            "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)], **common)
-    else:
-        config = LlamaConfig(tie_word_embeddings=True, **common)
+    alias, folder, shape = SHAPES[name]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers / folder, local_files_only=True)
+    config = tiny_config(alias, tokenizer, max_position_embeddings=8192, **({} if dry else shape))
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
