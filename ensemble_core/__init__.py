@@ -12,6 +12,7 @@ from .errors import (
     ConfigurationError,
     EnsembleError,
     GenerationCancelled,
+    GenerationTimeout,
     InputError,
     InvalidOptionError,
     MissingDependencyError,
@@ -19,6 +20,9 @@ from .errors import (
     NoMembersError,
     PromptTooLongError,
     UnknownAliasError,
+    UnsupportedAttentionError,
+    UnsupportedContentError,
+    UnsupportedModelError,
 )
 from .generation import Chunk, EnsembleMethod, GenerationConfig, GenerationResult, GenerationStream
 from .members import DecodeState, Member, MemberSpec
@@ -28,9 +32,10 @@ __version__ = "0.1.0"
 __all__ = [
     "BUNDLED", "DEFAULT_MEMBERS", "FALLBACK_TEMPLATE", "METHODS",
     "Chunk", "ConfigurationError", "DecodeState", "Ensemble", "EnsembleError", "EnsembleMethod",
-    "GenerationCancelled", "GenerationConfig", "GenerationResult", "GenerationStream", "InputError",
+    "GenerationCancelled", "GenerationConfig", "GenerationTimeout", "GenerationResult", "GenerationStream", "InputError",
     "InvalidOptionError", "Member", "MemberSpec", "MissingDependencyError", "ModelLoadError",
     "NoMembersError", "PromptTooLongError", "Tokenized", "UnknownAliasError",
+    "UnsupportedAttentionError", "UnsupportedContentError", "UnsupportedModelError",
     "encode_continuation", "is_common_boundary", "method_class", "normalize_messages",
     "resolve_members", "tokenize",
 ]

@@ -23,6 +23,9 @@ from typing import Any
 DECODE_KWARGS: dict[str, bool] = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
 #: Tokens re-encoded behind the committed boundary when text is appended (published SAFE: 5).
 DEFAULT_MARGIN = 5
+#: Extra tokens a draft may take beyond its length so that it does not end inside a
+#: character (a UTF-8 character is at most 4 bytes, so 4 byte tokens always finish one).
+PARTIAL_CHAR_TOKENS = 4
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -62,10 +65,39 @@ class Tokenized:
 
     def tokens_before(self, offset: int) -> int:
         """Number of tokens up to the last valid boundary at or before ``offset``."""
-        n = bisect.bisect_right(self.ends, offset)
+        return self.last_boundary(bisect.bisect_right(self.ends, offset))
+
+    def last_boundary(self, n: int) -> int:
+        """The largest ``k <= n`` such that the first ``k`` tokens end on a valid boundary.
+
+        Cutting a tokenization anywhere else would split a character between tokens;
+        every cut (token budget, cache rollback, re-encoding margin) walks back with this.
+        """
+        n = min(n, len(self.ids))
         while n > 0 and not self.valid[n - 1]:
             n -= 1
         return n
+
+    def end(self, n: int) -> int:
+        """Character offset just after the first ``n`` tokens (0 for none)."""
+        return self.ends[n - 1] if n else 0
+
+    def prefix(self, n: int) -> Tokenized:
+        """The first ``n`` tokens and the text up to their end."""
+        return Tokenized(self.text[: self.end(n)], self.ids[:n], self.starts[:n], self.ends[:n], self.valid[:n])
+
+    def extend(self, tail: Tokenized) -> Tokenized:
+        """This tokenization followed by ``tail`` (whose spans are already absolute offsets)."""
+        return Tokenized(self.text + tail.text, self.ids + tail.ids, self.starts + tail.starts,
+                         self.ends + tail.ends, self.valid + tail.valid)
+
+    def truncated(self, n: int) -> Tokenized:
+        """The first ``n`` tokens, or fewer: never more than ``n``, never inside a character."""
+        return self.prefix(self.last_boundary(n))
+
+
+#: The tokenization of the empty text.
+EMPTY = Tokenized("", (), (), (), ())
 
 
 def _spans_from_decoding(tokenizer: Any, ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -125,18 +157,10 @@ def encode_continuation(
     leading token ids equal ``previous``'s (a KV cache may be kept up to ``keep``).
     """
     common = _common_prefix_len(previous.text, text)
-    split = min(previous.tokens_before(common), max(len(previous) - margin, 0))
-    while split > 0 and not previous.valid[split - 1]:
-        split -= 1
-    start = previous.ends[split - 1] if split else 0
+    split = previous.last_boundary(min(previous.tokens_before(common), max(len(previous) - margin, 0)))
+    start = previous.end(split)
     tail = tokenize(tokenizer, text[start:], offset=start)
-    merged = Tokenized(
-        text,
-        previous.ids[:split] + tail.ids,
-        previous.starts[:split] + tail.starts,
-        previous.ends[:split] + tail.ends,
-        previous.valid[:split] + tail.valid,
-    )
+    merged = previous.prefix(split).extend(tail)  # the texts agree up to ``start`` (<= the common prefix)
     keep = split
     for a, b in zip(tail.ids, previous.ids[split:]):
         if a != b:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .alignment import DEFAULT_MARGIN, IncrementalDecoder, Tokenized, encode_continuation
+from .alignment import DEFAULT_MARGIN, IncrementalDecoder
 from .chat import Prompt
 from .distributions import (
     Distribution,
@@ -27,27 +27,26 @@ from .distributions import (
 )
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
-from .members import DecodeState, Member
-from .safe import EMPTY
-from .specem import (
+from .members import Member
+from .selection import (
     Candidate,
     SelectionConfig,
-    Track,
     draft,
     finish_text,
     normalize_scores,
     resolve_roles,
     run_all,
     select_candidate,
-    start_tracks,
     use_threads,
     verify,
 )
+from .stats import GenerateThenSelectStats, MemberStats, RequestStats, TokenLevelStats, roles
+from .view import MemberView, start_views
 
 
 @dataclass
 class _SingleRequest:
-    states: list[DecodeState]
+    views: list[MemberView]
     config: GenerationConfig
     generator: torch.Generator | None
     decoder: IncrementalDecoder
@@ -63,11 +62,11 @@ class SingleModel(EnsembleMethod[GenerationConfig]):
 
     def begin(self, prompt: Prompt, config: GenerationConfig) -> _SingleRequest:
         member = self.members[0]
-        return _SingleRequest([member.start(prompt, config.max_new_tokens)], config, make_generator(config),
+        return _SingleRequest(start_views([member], prompt, config), config, make_generator(config),
                               IncrementalDecoder(member.tokenizer))
 
     def step(self, request: _SingleRequest) -> Chunk:
-        state = request.states[0]
+        state = request.views[0].state
         member = state.member
         probs = torch.softmax(state.score()[-1], dim=-1)
         token = choose_token(probs, request.config, request.generator)
@@ -80,17 +79,16 @@ class SingleModel(EnsembleMethod[GenerationConfig]):
             return Chunk(delta + request.decoder.flush(), done=True, finish_reason="length")
         return Chunk(delta)
 
-    def stats(self, request: _SingleRequest) -> dict[str, Any]:
-        s = request.states[0].stats
-        return {"method": self.name, "member": self.members[0].name, "tokens": len(request.states[0].response_ids),
-                "forward_passes": s.forward_passes, "seconds": s.seconds}
+    def stats(self, request: _SingleRequest) -> RequestStats:
+        state = request.views[0].state
+        return RequestStats(self.name, len(state.response_ids), request.rounds, [MemberStats.of(state, "member")])
 
 
 # --------------------------------------------------------------------------- generate-then-select
 
 @dataclass
 class _SelectRequest:
-    tracks: list[Track]
+    views: list[MemberView]
     config: SelectionConfig
     drafters: list[int]
     verifiers: list[int]
@@ -123,38 +121,41 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
 
     def begin(self, prompt: Prompt, config: SelectionConfig) -> _SelectRequest:
         drafters, verifiers = resolve_roles(self.members, config)
-        return _SelectRequest(start_tracks(self.members, prompt, config), config, drafters, verifiers,
+        return _SelectRequest(start_views(self.members, prompt, config, seeded=True), config, drafters, verifiers,
                               self.stop_strings(config), use_threads(self.members, config))
 
-    def prompt_tokens(self, request: _SelectRequest) -> int:
-        return request.tracks[0].state.prompt_len
 
     def step(self, request: _SelectRequest) -> Chunk:
-        cfg, tracks = request.config, request.tracks
+        cfg, views = request.config, request.views
         t0 = time.perf_counter()
-        answers = run_all(lambda i: draft(tracks[i], i, cfg.max_new_tokens, cfg, request.stops, "", trim=False),
+        answers = run_all(lambda i: draft(views[i], i, cfg.max_new_tokens, cfg, request.stops, "", trim=False),
                           request.drafters, request.parallel)
         t1 = time.perf_counter()
         request.answers, request.seconds["draft"] = answers, t1 - t0
         if all(not a.text and not a.finished for a in answers):
             return Chunk("", done=True, finish_reason="eos")
-        raw = run_all(lambda v: verify(tracks[v], "", answers, cfg.scoring)[0], request.verifiers, request.parallel)
+        raw = run_all(lambda v: verify(views[v], "", answers, cfg.scoring)[0], request.verifiers, request.parallel)
         request.scores = [normalize_scores(r, cfg.normalization) for r in raw]
         request.seconds["verify"] = time.perf_counter() - t1
         best, _ = select_candidate([1.0 / len(raw)] * len(raw), request.scores)
         chosen = answers[best]
         request.chosen = chosen.member
-        text, cut, _, _ = finish_text(tracks[0], "", chosen.text, cfg.max_new_tokens)
+        text, cut, _, _ = finish_text(views[0], "", chosen.text, cfg.max_new_tokens)
         return Chunk(text, done=True, finish_reason="length" if cut or not chosen.finished else chosen.end)
 
-    def stats(self, request: _SelectRequest) -> dict[str, Any]:
+    def stats(self, request: _SelectRequest) -> GenerateThenSelectStats:
         names = [m.name for m in self.members]
-        return {"method": self.name, "members": names, "chosen": request.chosen,
-                "answers": [{"member": names[a.member], "tokens": a.tokens, "chars": len(a.text), "end": a.end}
-                            for a in request.answers],
-                "scores": [[round(s, 6) for s in row] for row in request.scores],
-                "verifiers": [names[i] for i in request.verifiers],
-                "seconds": {k: round(v, 4) for k, v in request.seconds.items()}}
+        chosen = request.answers[request.chosen].text if request.chosen is not None else ""
+        return GenerateThenSelectStats(
+            method=self.name, tokens=self.primary.count_tokens(chosen) if chosen else 0, rounds=1,
+            members=[MemberStats.of(v.state, roles(i, request.drafters, request.verifiers))
+                     for i, v in enumerate(request.views)],
+            drafters=[names[i] for i in request.drafters], verifiers=[names[i] for i in request.verifiers],
+            seconds={k: round(v, 4) for k, v in request.seconds.items()}, chosen=request.chosen,
+            answers=[{"member": names[a.member], "tokens": a.tokens, "chars": len(a.text), "end": a.end}
+                     for a in request.answers],
+            scores=[[round(s, 6) for s in row] for row in request.scores],
+        )
 
 
 # --------------------------------------------------------------------------- every-token ensemble
@@ -178,9 +179,7 @@ class EveryTokenConfig(GenerationConfig):
 
 @dataclass
 class _EveryTokenRequest:
-    states: list[DecodeState]
-    leads: list[str]
-    tokens: list[Tokenized]
+    views: list[MemberView]
     config: EveryTokenConfig
     fusion: Distribution
     generator: torch.Generator | None
@@ -212,25 +211,23 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         key = (config.distribution, config.top_k)
         if key not in self._fusions:
             self._fusions[key] = make_distribution(config.distribution, self.members, config.top_k)
-        states = [m.start(prompt, config.max_new_tokens) for m in self.members]
-        return _EveryTokenRequest(states, [m.response_lead(prompt) for m in self.members], [EMPTY] * len(states),
-                                  config, self._fusions[key], make_generator(config))
+        return _EveryTokenRequest(start_views(self.members, prompt, config), config, self._fusions[key],
+                                  make_generator(config))
+
 
     def step(self, request: _EveryTokenRequest) -> Chunk:
         config = request.config
         at_start = not request.text
-        encoded = []
-        for i, (member, lead) in enumerate(zip(self.members, request.leads)):
-            text = "" if at_start else lead + request.text
-            encoded.append(encode_continuation(member.tokenizer, text, request.tokens[i], config.margin))
+        encoded = [view.continuation(view.own_text(request.text), config.margin) for view in request.views]
         if len(encoded[0][1]) >= config.max_new_tokens:
             return Chunk("", done=True, finish_reason="length")
         probs = []
-        for i, (state, (keep, tokens)) in enumerate(zip(request.states, encoded)):
-            state.crop(state.prompt_len + keep)
+        for view, (keep, tokens) in zip(request.views, encoded):
+            state = view.state
+            state.crop(state.prompt_len + keep)  # also when nothing changed: trims sliding layers as before
             probs.append(torch.softmax(state.score(tokens.ids[keep:])[-1].float(), dim=-1))
-            request.tokens[i] = tokens
-        prefixes = [lead.encode("utf-8") if at_start else b"" for lead in request.leads]
+            view.tokens = tokens
+        prefixes = [view.lead.encode("utf-8") if at_start else b"" for view in request.views]
         candidates = request.fusion.fuse(probs, drafter=0, prefixes=prefixes)
         key = candidates.keys[choose_token(sharpen(candidates, config.sharpening), config, request.generator)]
         if isinstance(key, EndOfText):
@@ -240,14 +237,13 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         request.ensembled += 1
         return Chunk(piece)
 
-    def stats(self, request: _EveryTokenRequest) -> dict[str, Any]:
+    def stats(self, request: _EveryTokenRequest) -> TokenLevelStats:
         tokens = self.members[0].count_tokens(request.text) if request.text else 0
         # Every committed token comes out of a fusion step, so E/T is 1 by construction. The
         # number of fusion steps (``rounds``) differs from ``tokens``: one fused string can span
         # several tokens of the first member, and a string of special tokens adds no text.
-        return {"method": self.name, "distribution": request.config.distribution, "tokens": tokens,
-                "ensembled": tokens, "ensembled_tokens": tokens,
-                "e_t": 1.0 if tokens else 0.0, "rounds": request.ensembled,
-                "members": [{"name": s.member.name, "forward_passes": s.stats.forward_passes,
-                             "tokens_fed": s.stats.tokens_fed, "seconds": round(s.stats.seconds, 4),
-                             "reprefills": s.stats.reprefills} for s in request.states]}
+        return TokenLevelStats(
+            method=self.name, tokens=tokens, rounds=request.ensembled,
+            members=[MemberStats.of(v.state, "member") for v in request.views],
+            distribution=request.config.distribution, ensembled=tokens,
+        )

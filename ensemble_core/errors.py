@@ -1,9 +1,27 @@
-"""Typed errors raised by the ensemble core.
+"""Every typed error of the library, in one module (as httpx keeps its exceptions).
 
 Every error names the problem *and* the fix, so that a user of a LangChain chain or a
 LlamaIndex query engine sees something actionable instead of a shape error deep inside
 torch. The hierarchy is small on purpose: catch :class:`EnsembleError` for everything,
-or one of the three families (configuration, model loading, input).
+or one of the families (configuration, model loading, input, cancellation)::
+
+    EnsembleError
+    ├── ConfigurationError (ValueError)
+    │   ├── InvalidOptionError
+    │   ├── NoMembersError
+    │   ├── UnsupportedAttentionError
+    │   └── UnsupportedModelError
+    ├── ModelLoadError (RuntimeError)
+    │   ├── UnknownAliasError (KeyError)
+    │   └── MissingDependencyError (ImportError)
+    ├── InputError (ValueError)
+    │   ├── PromptTooLongError
+    │   └── UnsupportedContentError
+    └── GenerationCancelled
+        └── GenerationTimeout (TimeoutError)
+
+The modules that raise an error re-export it where it was defined before (for example
+``ensemble_core.runtime.GenerationTimeout``), so older imports keep working.
 """
 
 from __future__ import annotations
@@ -64,8 +82,29 @@ class MissingDependencyError(ModelLoadError, ImportError):
         super().__init__(f"The package {package!r} is needed for {needed_for}. Install it: {hint}")
 
 
+class UnsupportedAttentionError(ConfigurationError):
+    """A verifier's attention implementation would ignore the verify-in-line mask."""
+
+    def __init__(self, member: str, implementation: str) -> None:
+        self.member, self.implementation = member, implementation
+        super().__init__(
+            f"Member {member!r} uses attn_implementation={implementation!r}, which ignores the custom 4-D "
+            "attention mask that verify-in-line needs (candidates would see each other). Load it with "
+            "attn_implementation='sdpa' (or 'eager'), e.g. MemberSpec(source, attn_implementation='sdpa'), "
+            "or do not use it as a verifier."
+        )
+
+
+class UnsupportedModelError(ConfigurationError):
+    """A model whose attention layout verify-in-line cannot mask exactly."""
+
+
 class InputError(EnsembleError, ValueError):
     """A prompt, message list or call argument cannot be processed."""
+
+
+class UnsupportedContentError(InputError):
+    """A message holds non-text content (image, audio, file...): the members are text-only."""
 
 
 class PromptTooLongError(InputError):
@@ -83,3 +122,15 @@ class PromptTooLongError(InputError):
 
 class GenerationCancelled(EnsembleError):
     """Generation was stopped from outside (a cancelled async task or a closed stream)."""
+
+
+class GenerationTimeout(GenerationCancelled, TimeoutError):
+    """A generation ran past its ``timeout``; it was stopped, not retried."""
+
+    def __init__(self, timeout: float, text_so_far: str = "") -> None:
+        self.timeout, self.text_so_far = timeout, text_so_far
+        super().__init__(
+            f"The ensemble did not finish within timeout={timeout} s and was stopped "
+            f"({len(text_so_far)} characters were generated). Raise `timeout`, lower `max_tokens`, "
+            "or use fewer / smaller members."
+        )

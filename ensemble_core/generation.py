@@ -24,8 +24,17 @@ from .alignment import REPLACEMENT_CHAR
 from .chat import Prompt
 from .errors import ConfigurationError, InvalidOptionError, NoMembersError
 from .members import Member
+from .stats import RequestStats
 
 FINISH_REASONS = ("stop", "length", "eos", "cancelled")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,9 @@ class GenerationConfig:
 
     Greedy decoding by default (the deterministic setting of the papers); with
     ``do_sample=True`` tokens are drawn at ``temperature`` / ``top_p`` from a generator
-    seeded by ``seed`` so that a seeded run is reproducible.
+    seeded by ``seed`` so that a seeded run is reproducible. ``temperature=0`` means greedy
+    (as in OpenAI-style APIs), whatever ``do_sample`` says. Values are checked strictly
+    (``max_new_tokens="10"`` or ``True`` is refused, not converted).
     """
 
     max_new_tokens: int = 256
@@ -49,17 +60,21 @@ class GenerationConfig:
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is None:
             object.__setattr__(self, "stop", ())
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidOptionError("stop", self.stop, "a list of non-empty strings")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidOptionError("stop", self.stop, "a string or a list of non-empty strings")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidOptionError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature <= 0:
-            raise InvalidOptionError("temperature", self.temperature, "a number > 0 (use do_sample=False for greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not isinstance(self.do_sample, bool):
+            raise InvalidOptionError("do_sample", self.do_sample, "True or False")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise InvalidOptionError("temperature", self.temperature, "a number >= 0 (0 decodes greedily)")
+        if self.temperature == 0:
+            object.__setattr__(self, "do_sample", False)
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidOptionError("top_p", self.top_p, "a number in (0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise InvalidOptionError("seed", self.seed, "an integer or None")
 
     def replace(self, **overrides: Any) -> GenerationConfig:
@@ -166,18 +181,19 @@ class EnsembleMethod(ABC, Generic[C]):
     def step(self, request: Any) -> Chunk:
         """Run one round; return the text committed in it (never retracted later)."""
 
-    def stats(self, request: Any) -> dict[str, Any]:
-        """Method statistics for a finished request (JSON-serialisable)."""
-        return {}
+    def stats(self, request: Any) -> RequestStats:
+        """Method statistics for a finished request (typed; see :mod:`ensemble_core.stats`)."""
+        return RequestStats(self.name)
 
     @property
     def primary(self) -> Member:
         return self.members[0]
 
     def prompt_tokens(self, request: Any) -> int:
-        """Prompt length in the primary member's tokens (override when states differ)."""
-        state = getattr(request, "states", None)
-        return state[0].prompt_len if state else 0
+        """Prompt length in the primary member's tokens (a request keeps one ``MemberView`` per member
+        in ``views``; override when the primary is not the first member)."""
+        views = getattr(request, "views", None)
+        return views[0].state.prompt_len if views else 0
 
     # ------------------------------------------------------------ shared loop
     def stop_strings(self, config: GenerationConfig) -> tuple[str, ...]:
@@ -284,5 +300,5 @@ class GenerationStream:
             completion_tokens=method.primary.count_tokens(text) if text else 0,
             seconds=time.perf_counter() - t0,
             time_to_first_chunk=first,
-            stats=method.stats(request),
+            stats=method.stats(request).as_dict(),
         )

@@ -8,6 +8,7 @@ through text (see :mod:`ensemble_core.alignment`).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -184,6 +185,11 @@ class Member:
         return ids
 
     # ---------------------------------------------------------------- properties
+    @functools.cached_property
+    def eos_id_tensor(self) -> torch.Tensor:
+        """:attr:`eos_token_ids` as a sorted index tensor (to sum a distribution's end-of-text mass)."""
+        return torch.tensor(sorted(self.eos_token_ids), dtype=torch.long)
+
     @property
     def device(self) -> torch.device:
         """Where input ids go (the first device under a device map)."""

@@ -1,16 +1,36 @@
-"""Serving an ensemble to framework adapters: shared ensembles and cancellable runs.
+"""Serving an ensemble to framework adapters: shared ensembles, the option policy, cancellable runs.
 
 LangChain and LlamaIndex build model objects freely (a chain per request, ``model_copy``,
 a fresh instance per standard test). Both adapters go through this module, so that
 identical descriptions share one :class:`~ensemble_core.Ensemble` (and its weights) in a
 process, generations on one ensemble take turns round by round, and sync, async,
-streaming, timeout and cancellation behave the same in every framework. The adapters
-keep only message conversion and metadata.
+streaming, timeout and cancellation behave the same in every framework. The message
+policy is :mod:`ensemble_core.chat`'s; the option policy is here (:func:`call_overrides`):
+
+==========================  ==============================================================
+parameter                   core
+==========================  ==============================================================
+``temperature``             ``0`` (or unset) → greedy; ``> 0`` → ``do_sample=True`` at that
+                            temperature
+``max_tokens``              ``max_new_tokens`` (the same option; giving both with different
+                            values raises), counted in the primary member's tokens
+``top_p``, ``seed``         the same config fields
+``stop``                    a string or a list; a per-call ``stop`` REPLACES the instance's
+                            (as in ChatOpenAI and OpenAI's API); members' own stop strings
+                            (``"\nUser:"`` for template-less members) are always added
+method config fields        passed through (``lookahead``, ``segment_length``, ...)
+anything else               :class:`~ensemble_core.errors.ConfigurationError` naming it
+==========================  ==============================================================
+
+Values are checked strictly: ``max_tokens="10"`` is refused, never converted. Finish
+reasons are reported OpenAI-style by :func:`api_finish_reason` (``eos`` → ``stop``).
+The adapters keep only their framework's types.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 from collections import OrderedDict
@@ -20,7 +40,7 @@ from typing import Any
 
 from .chat import Prompt
 from .ensemble import Ensemble
-from .errors import GenerationCancelled
+from .errors import ConfigurationError, GenerationCancelled, GenerationTimeout, InvalidOptionError
 from .generation import GenerationResult
 from .members import Member, MemberSpec
 
@@ -33,16 +53,95 @@ _ENSEMBLES: OrderedDict[Hashable, Ensemble] = OrderedDict()
 _REGISTRY_LOCK = threading.Lock()
 
 
-class GenerationTimeout(GenerationCancelled, TimeoutError):
-    """A generation ran past its ``timeout``; it was stopped, not retried."""
+#: The standard chat-API parameters every adapter accepts (besides the method's config fields).
+STANDARD_OPTIONS = ("temperature", "max_tokens", "max_new_tokens", "top_p", "seed", "stop")
+#: Core finish reasons → the OpenAI-style values users of chat APIs check for.
+API_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
 
-    def __init__(self, timeout: float, text_so_far: str = "") -> None:
-        self.timeout, self.text_so_far = timeout, text_so_far
-        super().__init__(
-            f"The ensemble did not finish within timeout={timeout} s and was stopped "
-            f"({len(text_so_far)} characters were generated). Raise `timeout`, lower `max_tokens`, "
-            "or use fewer / smaller members."
+
+def api_finish_reason(reason: str) -> str:
+    """The OpenAI-style finish reason for a core one (``eos`` and stop strings are both ``stop``)."""
+    return API_FINISH_REASONS.get(reason, reason)
+
+
+def merge_options(instance: Mapping[str, Any], call: Mapping[str, Any]) -> dict[str, Any]:
+    """Instance options overridden by call options, name by name (``None`` means unset).
+
+    ``max_tokens`` and ``max_new_tokens`` are one option: a call's value of either
+    replaces the instance's value of both.
+    """
+    merged = {k: v for k, v in instance.items() if v is not None}
+    call = {k: v for k, v in call.items() if v is not None}
+    if {"max_tokens", "max_new_tokens"} & set(call):
+        merged.pop("max_tokens", None)
+        merged.pop("max_new_tokens", None)
+    merged.update(call)
+    return merged
+
+
+def call_overrides(options: Mapping[str, Any], config_fields: frozenset[str] | set[str], owner: str) -> dict[str, Any]:
+    """Standard parameters and method options → core config overrides (see the module docstring).
+
+    ``config_fields`` are the method config's field names; ``owner`` names the caller in
+    error messages (``"ChatEnsemble"``, ``"EnsembleLLM"``, ...).
+    """
+    opts = {k: v for k, v in options.items() if v is not None}
+    out: dict[str, Any] = {}
+    if "max_tokens" in opts and "max_new_tokens" in opts and opts["max_tokens"] != opts["max_new_tokens"]:
+        raise ConfigurationError(f"{owner}: max_tokens={opts['max_tokens']!r} and max_new_tokens="
+                                 f"{opts['max_new_tokens']!r} name one option; pass one of them.")
+    name = "max_new_tokens" if "max_new_tokens" in opts else "max_tokens"
+    max_new = opts.pop("max_new_tokens", opts.pop("max_tokens", None))
+    opts.pop("max_tokens", None)
+    if max_new is not None:
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise InvalidOptionError(name, max_new, "an integer >= 1")
+        out["max_new_tokens"] = max_new
+    if "temperature" in opts:
+        temperature = opts.pop("temperature")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+            raise InvalidOptionError("temperature", temperature, "a number >= 0 (0 decodes greedily)")
+        out.update(do_sample=False) if temperature == 0 else out.update(do_sample=True, temperature=float(temperature))
+    if "stop" in opts:
+        stop = opts.pop("stop")
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops):
+            raise InvalidOptionError("stop", stop, "a string or a list of non-empty strings")
+        out["stop"] = tuple(dict.fromkeys(stops))
+    unknown = sorted(set(opts) - set(config_fields))
+    if unknown:
+        raise ConfigurationError(
+            f"Unknown option(s) {', '.join(unknown)} for {owner}. Accepted: "
+            f"{', '.join(STANDARD_OPTIONS)} and the method's config fields ({', '.join(sorted(config_fields))})."
         )
+    out.update(opts)
+    return out
+
+
+def config_fields(ensemble: Ensemble) -> frozenset[str]:
+    """Names of the fields of ``ensemble``'s method config."""
+    return frozenset(f.name for f in dataclasses.fields(ensemble.config))
+
+
+def usage(result: GenerationResult) -> dict[str, int]:
+    """Token usage in OpenAI's key names (counted with the method's primary member's tokenizer)."""
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.total_tokens}
+
+
+def result_info(result: GenerationResult, ensemble: Ensemble) -> dict[str, Any]:
+    """What every adapter reports about how a response was made (its metadata / raw payload)."""
+    return {
+        "finish_reason": api_finish_reason(result.finish_reason),
+        "stop_reason": result.finish_reason,
+        "method": ensemble.method_name,
+        "ensemble": ensemble.name,
+        "members": [m.name for m in ensemble.members],
+        "token_counter": ensemble.method.primary.name,
+        "seconds": result.seconds,
+        "time_to_first_chunk": result.time_to_first_chunk,
+        "stats": result.stats,
+    }
 
 
 def freeze(value: Any) -> Hashable:

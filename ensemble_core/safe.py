@@ -57,20 +57,19 @@ from typing import Any
 
 import torch
 
-from .alignment import DECODE_CONTEXT, DEFAULT_MARGIN, REPLACEMENT_CHAR, Tokenized, decode_suffix, encode_continuation
+from .alignment import DECODE_CONTEXT, DEFAULT_MARGIN, PARTIAL_CHAR_TOKENS, REPLACEMENT_CHAR, Tokenized, decode_suffix
 from .chat import Prompt
 from .distributions import Distribution, EndOfText, check_fusion_options, make_distribution, member_table, sharpen
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
 from .members import DecodeState, Member
+from .stats import MemberStats, SafeStats
+from .view import MemberView, start_views
 
-#: Extra tokens the drafter may add so that its draft does not end inside a character
-#: (a UTF-8 character is at most 4 bytes, so 4 byte tokens always finish one).
-MAX_CHAR_TOKENS = 4
 #: The GaC variant only ensembles where the drafter itself is unsure.
 GAC_DRAFTER_CONFIDENT = 0.5
 
-EMPTY = Tokenized("", (), (), (), ())
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise InvalidOptionError(name, value, f"an integer >= {minimum}")
@@ -110,29 +109,6 @@ class SafeConfig(GenerationConfig):
 
 
 @dataclass
-class _View:
-    """One member within a request: its ids + KV cache, and its tokenization of its text.
-
-    A member's text is ``lead + shared text`` (see :meth:`Member.response_lead`). For the drafter
-    ``tokens`` are its own (generated) ids of that text, empty while nothing is committed;
-    for a verifier, its encoding of the last window (lead + committed text + draft).
-    """
-
-    member: Member
-    state: DecodeState
-    lead: str = ""
-    tokens: Tokenized = EMPTY
-    eos: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-
-    def offset(self, shared: int) -> int:
-        """This member's character offset for offset ``shared`` of the shared text.
-
-        Offset 0 stays 0: there the member has yet to write its lead (a prefix to fusion).
-        """
-        return len(self.lead) + shared if shared else 0
-
-
-@dataclass
 class _Counters:
     ensembled: int = 0
     skipped_oov: int = 0
@@ -146,7 +122,7 @@ class _Counters:
 @dataclass
 class SafeRequest:
     config: SafeConfig
-    views: list[_View]
+    views: list[MemberView]
     drafter: int
     fusion: Distribution
     generator: torch.Generator | None
@@ -258,12 +234,8 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
     # ------------------------------------------------------------------ request
     def begin(self, prompt: Prompt, config: SafeConfig) -> SafeRequest:
         self._check_drafter(config)
-        views = []
-        for m in self.members:
-            eos = torch.tensor(sorted(m.eos_token_ids), dtype=torch.long)
-            views.append(_View(m, m.start(prompt, config.max_new_tokens), m.response_lead(prompt), EMPTY, eos))
-        return SafeRequest(config, views, config.drafter, self.fusion(config.distribution, config.top_k),
-                           make_generator(config))
+        fusion = self.fusion(config.distribution, config.top_k)
+        return SafeRequest(config, start_views(self.members, prompt, config), config.drafter, fusion, make_generator(config))
 
     def step(self, request: SafeRequest) -> Chunk:
         request.counters.rounds += 1
@@ -296,7 +268,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
             probs.append(p)
             if token in member.eos_token_ids or len(ids) >= budget:
                 break
-            if len(ids) >= limit and (len(ids) >= limit + MAX_CHAR_TOKENS or not decode_suffix(
+            if len(ids) >= limit and (len(ids) >= limit + PARTIAL_CHAR_TOKENS or not decode_suffix(
                     member.tokenizer, context, ids).endswith(REPLACEMENT_CHAR)):
                 break
             row = state.score([token])[-1]  # the last drafted token is fed next round (or cropped)
@@ -335,8 +307,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         for index, view in enumerate(request.views):
             if index == request.drafter:
                 continue
-            keep, tokens = encode_continuation(view.member.tokenizer, view.lead + shared, view.tokens,
-                                               request.config.margin)
+            keep, tokens = view.continuation(view.lead + shared, request.config.margin)
             first = tokens.tokens_before(view.offset(len(request.text)))
             start = min(keep, first)
             view.state.crop(view.state.prompt_len + start)
@@ -356,7 +327,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         would produce the same tokens; this saves it). Any other choice ends the round.
         """
         config, counters = request.config, request.counters
-        drafter_eos = request.views[request.drafter].eos
+        drafter_eos = request.views[request.drafter].member.eos_id_tensor
         drafter_keys = member_table(request.views[request.drafter].member).keys
         n_members = len(request.views)
         for j in range(len(draft.ids)):
@@ -406,7 +377,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
                 return None
             probs, best = w.probs[k - w.first], w.argmax[k - w.first]
             if is_eos:
-                out.append((float(probs[view.eos].sum()), best in view.eos.tolist()))
+                out.append((float(probs[view.member.eos_id_tensor].sum()), best in view.member.eos_token_ids))
             elif k < len(w.tokens):
                 nxt = w.tokens.ids[k]
                 out.append((float(probs[nxt]), best == nxt))
@@ -467,8 +438,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
             if valid[-1]:
                 last_valid = i + 1
         added = draft.text[: own(count)]
-        view.tokens = Tokenized(t.text + added, t.ids + tuple(ids), t.starts + tuple(starts),
-                                t.ends + tuple(ends), t.valid + tuple(valid))
+        view.tokens = t.extend(Tokenized(added, tuple(ids), tuple(starts), tuple(ends), tuple(valid)))
         request.text += added[draft.shift:] if count else ""
         target = view.state.prompt_len + len(view.tokens)
         if len(view.state.ids) > target:
@@ -480,12 +450,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         """Append ensemble-chosen text, encoded for the drafter in context (after its lead)."""
         view = request.views[request.drafter]
         text = request.text + piece
-        keep, tokens = encode_continuation(view.member.tokenizer, view.lead + text, view.tokens, request.config.margin)
-        target = view.state.prompt_len + keep
-        if target < len(view.state.ids):
-            view.state.crop(target)
-        view.state.extend(tokens.ids[keep:])
-        view.tokens = tokens
+        view.commit(*view.continuation(view.lead + text, request.config.margin))
         request.text = text
 
     def _truncate(self, request: SafeRequest, floor: int) -> None:
@@ -495,43 +460,26 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         goes behind ``floor`` (shared text already returned) nor inside a character.
         """
         view = request.views[request.drafter]
-        t, n = view.tokens, request.config.max_new_tokens
-        if len(t) <= n:
+        t = view.tokens
+        if len(t) <= request.config.max_new_tokens:
             return
-        while n > 0 and not t.valid[n - 1]:
-            n -= 1
-        cut = t.ends[n - 1] if n else 0
+        n = t.last_boundary(request.config.max_new_tokens)
+        cut = t.end(n)
         shared = max(cut - len(view.lead), 0) if n else 0
         if shared < floor or (n and cut < len(view.lead)):
             return
-        view.tokens = Tokenized(t.text[:cut], t.ids[:n], t.starts[:n], t.ends[:n], t.valid[:n])
-        view.state.crop(view.state.prompt_len + n)
+        view.truncate(n)
         request.text = request.text[:shared]
 
     # ------------------------------------------------------------------ stats
-    def stats(self, request: SafeRequest) -> dict[str, Any]:
-        c = request.counters
-        tokens = len(request.views[request.drafter].tokens)
-        members = []
-        for i, view in enumerate(request.views):
-            s = view.state.stats
-            members.append({"name": view.member.name, "role": "drafter" if i == request.drafter else "verifier",
-                            "forward_passes": s.forward_passes, "tokens_fed": s.tokens_fed,
-                            "seconds": round(s.seconds, 4), "reprefills": s.reprefills})
-        return {
-            "method": self.name,
-            "drafter": request.views[request.drafter].member.name,
-            "distribution": request.config.distribution,
-            "sharpening": request.config.sharpening,
-            "tokens": tokens,
-            "ensembled": c.ensembled,
-            "ensembled_tokens": c.ensembled,
-            "e_t": c.ensembled / tokens if tokens else 0.0,
-            "skipped_oov": c.skipped_oov,
-            "skipped_consensus": c.skipped_consensus,
-            "drafted": c.drafted,
-            "accepted": c.accepted,
-            "replaced": c.replaced,
-            "rounds": c.rounds,
-            "members": members,
-        }
+    def stats(self, request: SafeRequest) -> SafeStats:
+        c, config = request.counters, request.config
+        return SafeStats(
+            method=self.name, tokens=len(request.views[request.drafter].tokens), rounds=c.rounds,
+            members=[MemberStats.of(v.state, "drafter" if i == request.drafter else "verifier")
+                     for i, v in enumerate(request.views)],
+            distribution=config.distribution, ensembled=c.ensembled,
+            drafter=request.views[request.drafter].member.name, sharpening=config.sharpening,
+            skipped_oov=c.skipped_oov, skipped_consensus=c.skipped_consensus,
+            drafted=c.drafted, accepted=c.accepted, replaced=c.replaced,
+        )

@@ -29,7 +29,7 @@ def tiny_config(alias: str, tokenizer: Any, hidden: int = 64, layers: int = 2, *
     Small by default; ``overrides`` replace any field (heads, intermediate size, ...), so
     the same function also builds full-size shapes (``tests/gpu_check.py``).
     """
-    from transformers import Gemma3TextConfig, LlamaConfig
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
     fields: dict[str, Any] = dict(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
@@ -39,6 +39,8 @@ def tiny_config(alias: str, tokenizer: Any, hidden: int = 64, layers: int = 2, *
         fields.update(head_dim=hidden // 4, sliding_window=512,
                       layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)])
         return Gemma3TextConfig(**{**fields, **overrides})
+    if alias.startswith("qwen"):  # Qwen2: q/k/v biases; the bundled GGUF has its own (untied) lm_head
+        return Qwen2Config(**{**fields, "tie_word_embeddings": False, **overrides})
     return LlamaConfig(**{**fields, "tie_word_embeddings": True, **overrides})
 
 
@@ -52,3 +54,14 @@ def tiny_member(alias: str, seed: int = 0, name: str | None = None, **overrides:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval().requires_grad_(False)
     return Member(model, tokenizer, name=name or f"tiny-{alias}-{seed}")
+
+
+def random_ids(n: int, seed: int, lo: int = 200, hi: int = 5000) -> list[int]:
+    """``n`` reproducible random token ids in ``[lo, hi)`` (ordinary tokens of every bundled vocabulary)."""
+    return torch.randint(lo, hi, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def reference_last_row(member: Member, ids: list[int]) -> torch.Tensor:
+    """Next-token logits after ``ids`` from one plain, cache-free forward pass (the reference)."""
+    with torch.inference_mode():
+        return member.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()

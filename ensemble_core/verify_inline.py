@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigurationError, InputError
+from .errors import InputError, UnsupportedAttentionError, UnsupportedModelError
 from .members import DecodeState, Member
 
 #: Attention implementations that add a custom 4-D float mask to the scores.
@@ -51,23 +51,6 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 MAX_LOGIT_BYTES = 2**28
 
 SCORING_KINDS = ("logprob", "logit")
-
-
-class UnsupportedAttentionError(ConfigurationError):
-    """A verifier's attention implementation would ignore the verify-in-line mask."""
-
-    def __init__(self, member: str, implementation: str) -> None:
-        self.member, self.implementation = member, implementation
-        super().__init__(
-            f"Member {member!r} uses attn_implementation={implementation!r}, which ignores the custom 4-D "
-            "attention mask that verify-in-line needs (candidates would see each other). Load it with "
-            "attn_implementation='sdpa' (or 'eager'), e.g. MemberSpec(source, attn_implementation='sdpa'), "
-            "or do not use it as a verifier."
-        )
-
-
-class UnsupportedModelError(ConfigurationError):
-    """A model whose attention layout verify-in-line cannot mask exactly."""
 
 
 def _text_config(model: Any) -> Any:

@@ -15,7 +15,7 @@ from ensemble_core.generation import Chunk, EnsembleMethod, _holdback
 @dataclass
 class _Script:
     chunks: list[str]
-    states: list = None  # type: ignore[assignment]
+    views: list = None  # type: ignore[assignment]
     i: int = 0
 
 
@@ -81,7 +81,8 @@ def test_cancel_stops_generation(tiny_llama: Member) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(max_new_tokens=0), dict(temperature=0), dict(top_p=1.5), dict(stop=[""]), dict(seed="x")],
+    [dict(max_new_tokens=0), dict(temperature=-1), dict(max_new_tokens="10"), dict(max_new_tokens=True),
+     dict(top_p=1.5), dict(stop=[""]), dict(seed="x")],
 )
 def test_bad_generation_config_raises_typed_error(bad) -> None:
     with pytest.raises(InvalidOptionError) as err:

@@ -17,7 +17,8 @@ from llama_index.core.base.llms.types import MessageRole
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMChatStartEvent, LLMCompletionEndEvent
-from llama_index.llms.ensemble import EnsembleLLM, LocalSentenceEmbedding
+from llama_index.embeddings.ensemble import LocalSentenceEmbedding
+from llama_index.llms.ensemble import EnsembleLLM
 
 DOCS = Path(__file__).parent / "data" / "rag"
 PAIR = ["smollm2-135m-instruct", "gemma3-270m"]

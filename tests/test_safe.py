@@ -1,4 +1,4 @@
-"""SAFE (drafter + verifiers, selective ensembling) and the every-token baseline.
+"""SAFE (drafter + verifiers, selective ensembling).
 
 * Scripted members (a tiny real transformers model whose logits are replaced by a
   distribution that follows a fixed reply *text*) pin down the stability check, the
@@ -19,7 +19,6 @@ import torch
 
 from ensemble_core import Member
 from ensemble_core.alignment import decode, is_common_boundary, tokenize
-from ensemble_core.baselines import EveryTokenConfig, EveryTokenEnsemble
 from ensemble_core.ensemble import Ensemble
 from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
 from ensemble_core.generation import GenerationResult
@@ -144,12 +143,7 @@ def test_defaults_and_member_checks(tiny_llama: Member, tiny_gemma: Member) -> N
         SafeEnsemble([tiny_llama, tiny_gemma], lookahaed=3)  # misspelt option
     with pytest.raises(InvalidOptionError):
         SafeEnsemble([tiny_llama, tiny_gemma]).generate("Hi", drafter=3)
-    with pytest.raises(InvalidOptionError):
-        EveryTokenConfig(distribution="max")
-    with pytest.raises(InvalidOptionError):
-        EveryTokenConfig(margin=-2)
     assert isinstance(Ensemble([tiny_llama, tiny_gemma], method="safe").method, SafeEnsemble)
-    assert isinstance(Ensemble([tiny_llama, tiny_gemma], method="every-token").method, EveryTokenEnsemble)
 
 
 def test_reply_lead_comes_from_the_template(tiny_llama: Member, tiny_gemma: Member) -> None:
@@ -228,18 +222,6 @@ def test_sampling_is_reproducible_under_a_seed(tiny_llama: Member, tiny_gemma: M
     a, b = method.generate("Hi", seed=7), method.generate("Hi", seed=7)
     assert a.text == b.text and a.stats["drafted"] == b.stats["drafted"]
     assert method.generate("Hi", seed=8).text != a.text  # 6 tokens drawn from ~50k-way distributions
-
-
-@pytest.mark.parametrize("distribution", ["unite", "gac"])
-def test_every_token_baseline(tiny_llama: Member, tiny_gemma: Member, distribution: str) -> None:
-    method = EveryTokenEnsemble([tiny_llama, tiny_gemma], distribution=distribution, max_new_tokens=6)
-    result = method.generate(PROMPTS[0])
-    assert FFFD not in result.text and result.stats["rounds"] >= 1
-    tokens = result.stats["tokens"]  # every token comes out of a fusion step: E/T is 1, never above
-    assert result.stats["ensembled"] == tokens and result.stats["e_t"] == (1.0 if tokens else 0.0)
-    assert result.stats["members"][0]["forward_passes"] == result.stats["members"][1]["forward_passes"]
-    assert "".join(method.stream(PROMPTS[0])) == result.text
-    assert [r.text for r in method.batch(PROMPTS[:1])] == [result.text]
 
 
 # ============================================================================ real models

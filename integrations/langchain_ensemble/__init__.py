@@ -10,10 +10,9 @@
 See ``README.md`` next to this file for the parameters, the metadata and the choices made.
 """
 
-from ensemble_core.runtime import GenerationTimeout
+from ensemble_core.errors import GenerationTimeout, UnsupportedContentError
 
 from .chat_models import ChatEnsemble
 from .llms import EnsembleLLM
-from .messages import ToolMessagesNotSupported, UnsupportedContentError
 
-__all__ = ["ChatEnsemble", "EnsembleLLM", "GenerationTimeout", "ToolMessagesNotSupported", "UnsupportedContentError"]
+__all__ = ["ChatEnsemble", "EnsembleLLM", "GenerationTimeout", "UnsupportedContentError"]

@@ -18,6 +18,8 @@ unknown keyword args      names that are not config fields raise ConfigurationEr
 ``stop``                  ``stop`` (a per-call ``stop`` replaces the instance's, as in ChatOpenAI);
                           members' own stop strings (``"\\nUser:"`` for template-less
                           members) are always added by the core
+(all of the above)        mapped by the core's option policy,
+                          :func:`ensemble_core.runtime.call_overrides`, shared with LlamaIndex
 ``timeout``               seconds; the core stream's cancel event is set at the deadline and
                           :class:`~ensemble_core.runtime.GenerationTimeout` is raised
 ``max_retries``           accepted and validated, never used: local generation has no
@@ -36,19 +38,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from langchain_core.utils.pydantic import get_fields
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
 from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, method_class
 from ensemble_core.chat import Prompt
-from ensemble_core.runtime import Run, shared_ensemble
+from ensemble_core.runtime import Run, call_overrides, merge_options, result_info, shared_ensemble
 
 DEFAULT_METHOD = "safe"
 PROVIDER = "ensemble"
-#: Core finish reasons → the OpenAI-style values LangChain users check for.
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
 #: Call-time keyword arguments that LangChain itself may forward and that carry no option.
 _IGNORED_CALL_KWARGS = frozenset({"stream"})
-_CALL_KWARGS = ("temperature", "max_tokens", "top_p", "seed", "timeout", "model")
+#: Call-time keyword arguments that are not generation options.
+_CALL_ONLY = frozenset({"timeout", "model"})
 
 
 def config_fields(method: str) -> frozenset[str]:
@@ -72,19 +73,7 @@ def usage_metadata(result: GenerationResult) -> dict[str, int]:
 
 def response_metadata(result: GenerationResult, ensemble: Ensemble, model_name: str) -> dict[str, Any]:
     """What a response says about how it was made (see the README for each key)."""
-    return {
-        "model_name": model_name,
-        "model_provider": PROVIDER,
-        "finish_reason": FINISH_REASONS.get(result.finish_reason, result.finish_reason),
-        "stop_reason": result.finish_reason,
-        "method": ensemble.method_name,
-        "ensemble": ensemble.name,
-        "members": [m.name for m in ensemble.members],
-        "token_counter": ensemble.method.primary.name,
-        "seconds": result.seconds,
-        "time_to_first_chunk": result.time_to_first_chunk,
-        "stats": result.stats,
-    }
+    return {"model_name": model_name, "model_provider": PROVIDER, **result_info(result, ensemble)}
 
 
 class EnsembleFields(BaseModel):
@@ -125,7 +114,10 @@ class EnsembleFields(BaseModel):
         return [value] if isinstance(value, str) or not isinstance(value, (list, tuple, type(None))) else value
 
     def __init__(self, **data: Any) -> None:
-        super().__init__(**_collect_method_options(type(self), data))
+        try:
+            super().__init__(**_collect_method_options(type(self), data))
+        except ValidationError as exc:  # the library's own error, with pydantic's details chained
+            raise ConfigurationError(f"Invalid {type(self).__name__} options: {exc}") from exc
         self._bind_ensemble()
 
     # ------------------------------------------------------------------ construction
@@ -174,38 +166,22 @@ class EnsembleFields(BaseModel):
             raise InvalidOptionError("model", model, "member names joined by '+'")
         return shared_ensemble(split_model(model), own.method_name, self.method_config, self.member_options), model
 
-    def _generation_overrides(self, kwargs: dict[str, Any], stop: list[str] | None) -> dict[str, Any]:
-        """Standard parameters (instance values, overridden by call values) → core config overrides."""
-        out: dict[str, Any] = {}
-        temperature = kwargs.get("temperature", self.temperature)
-        if temperature is not None:
-            _check_number("temperature", temperature, minimum=0.0)
-            out.update(do_sample=False) if temperature == 0 else out.update(do_sample=True, temperature=float(temperature))
-        max_tokens = kwargs.get("max_tokens", self.max_tokens)
-        if max_tokens is not None:
-            out["max_new_tokens"] = max_tokens
-        for name in ("top_p", "seed"):
-            value = kwargs.get(name, getattr(self, name))
-            if value is not None:
-                out[name] = value
-        stops = stop if stop is not None else self.stop
-        if stops:
-            out["stop"] = tuple(dict.fromkeys(stops))
-        return out
+    def _generation_overrides(self, kwargs: dict[str, Any], stop: list[str] | None,
+                              ensemble: Ensemble | None = None) -> dict[str, Any]:
+        """Instance values overridden by call values → core config overrides (the core's option policy)."""
+        instance = {"temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
+                    "seed": self.seed, "stop": self.stop}
+        call = {k: v for k, v in kwargs.items() if k not in _CALL_ONLY}
+        if stop is not None:
+            call["stop"] = stop
+        ensemble = ensemble or self._core_ensemble()
+        return call_overrides(merge_options(instance, call), config_fields(ensemble.method_name), type(self).__name__)
 
     def _prepare(self, prompt: Prompt, stop: list[str] | None, kwargs: Mapping[str, Any]) -> tuple[Run, Ensemble, str]:
         """One core run for a call: ensemble, overrides, timeout. Unknown kwargs raise."""
         kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_KWARGS}
         ensemble, model_name = self._ensemble_for(kwargs.get("model"))
-        method_options = {k: v for k, v in kwargs.items() if k not in _CALL_KWARGS}
-        unknown = sorted(set(method_options) - config_fields(ensemble.method_name))
-        if unknown:
-            raise ConfigurationError(
-                f"Unknown keyword argument(s) {', '.join(unknown)} for {type(self).__name__}. Accepted per call: "
-                f"stop, {', '.join(_CALL_KWARGS)} and the {ensemble.method_name!r} config fields "
-                f"({', '.join(sorted(config_fields(ensemble.method_name)))}). Tool calling is not supported."
-            )
-        overrides = {**method_options, **self._generation_overrides(dict(kwargs), stop)}
+        overrides = self._generation_overrides(dict(kwargs), stop, ensemble)
         timeout = kwargs.get("timeout", self.timeout)
         _check_number("timeout", timeout, minimum=0.0, strict=True)
         return Run(ensemble, prompt, overrides, timeout=timeout), ensemble, model_name

@@ -1,28 +1,23 @@
-"""LangChain messages → the core's ``{"role", "content"}`` messages.
+"""LangChain messages → the core's message dicts.
 
-Only the *conversion* lives here. Merging consecutive same-role messages and several
-system messages, and rendering with each member's own chat template, is the core's job
-(:func:`ensemble_core.normalize_messages`, :meth:`ensemble_core.Member.render`), so every
-adapter formats a conversation the same way.
+Only the *translation* of LangChain types lives here. What is done with content blocks,
+tool calls and tool results (joining text with a newline, dropping reasoning, rendering
+tools per member), and merging consecutive same-role messages, is the core's message
+policy (:mod:`ensemble_core.chat`), shared with the LlamaIndex adapter and the server.
 
-Choices (documented in the README of this package):
-
-* ``SystemMessage`` → ``system``, ``HumanMessage`` → ``user``, ``AIMessage`` → ``assistant``,
-  ``ChatMessage`` with role ``system``/``user``/``human``/``assistant``/``ai``.
-* ``ToolMessage`` / ``FunctionMessage``, and ``AIMessage`` carrying tool calls, are
-  **rejected** with :class:`ToolMessagesNotSupported`: the ensemble has no tool-calling
-  protocol yet, and silently flattening a tool result into text would let an agent loop
-  run on a model that never saw the tool's schema.
-* Content may be a string or a list of blocks. Text blocks are concatenated (as
-  ``BaseMessage.text`` does); reasoning blocks in assistant turns are dropped (local chat
-  templates do not replay them); any other block (image, audio, file) is rejected with
-  :class:`UnsupportedContentError`, since the members are text-only.
+* ``SystemMessage`` → ``system``, ``HumanMessage`` → ``user``, ``AIMessage`` → ``assistant``
+  (with its ``tool_calls``), ``ToolMessage`` → ``tool`` (with ``tool_call_id`` and ``name``),
+  ``FunctionMessage`` → ``tool`` named after the function, ``ChatMessage`` with role
+  ``system``/``user``/``human``/``assistant``/``ai``/``tool``.
+* Content is passed as LangChain's standard content blocks (``message.content_blocks``);
+  tool-call blocks are skipped there because ``AIMessage.tool_calls`` carries the calls.
 * A message's ``name`` is not rendered: the members' chat templates have no field for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from langchain_core.messages import (
     AIMessage,
@@ -34,34 +29,25 @@ from langchain_core.messages import (
     ToolMessage,
 )
 
-from ensemble_core import InputError
+from ensemble_core import InputError, UnsupportedContentError
 
-_CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "ai": "assistant"}
-_DROPPED_ASSISTANT_BLOCKS = {"reasoning", "thinking"}
+_CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "ai": "assistant",
+               "tool": "tool"}
+#: Blocks of an AIMessage's content that describe its tool calls (carried by ``tool_calls`` instead).
+_TOOL_CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call"})
 
-
-class ToolMessagesNotSupported(InputError):
-    """The conversation contains tool calls or tool results."""
-
-
-class UnsupportedContentError(InputError):
-    """A message holds non-text content (image, audio, file...)."""
+__all__ = ["UnsupportedContentError", "message_role", "to_core_messages"]
 
 
 def message_role(message: BaseMessage, index: int) -> str:
-    if isinstance(message, (ToolMessage, FunctionMessage)) or (isinstance(message, AIMessage) and message.tool_calls):
-        raise ToolMessagesNotSupported(
-            f"Message {index} is a {type(message).__name__}"
-            f"{' with tool calls' if isinstance(message, AIMessage) else ''}: ChatEnsemble does not support "
-            "tool calling yet. Remove tool calls and tool results from the history, or pass the tool output "
-            "as a HumanMessage."
-        )
     if isinstance(message, SystemMessage):
         return "system"
     if isinstance(message, HumanMessage):
         return "user"
     if isinstance(message, AIMessage):
         return "assistant"
+    if isinstance(message, (ToolMessage, FunctionMessage)):
+        return "tool"
     if isinstance(message, ChatMessage):
         role = _CHAT_ROLES.get(message.role.lower())
         if role is None:
@@ -73,32 +59,38 @@ def message_role(message: BaseMessage, index: int) -> str:
     raise InputError(f"Message {index} has unsupported type {type(message).__name__}.")
 
 
-def message_text(message: BaseMessage, role: str, index: int) -> str:
-    """The text of one message; non-text content raises :class:`UnsupportedContentError`."""
+def content_parts(message: BaseMessage) -> str | list[dict[str, Any]]:
+    """The message's content for the core: its string, or its standard content blocks."""
     if isinstance(message.content, str):
         return message.content
-    parts: list[str] = []
+    parts = []
     for block in message.content_blocks:
         kind = block.get("type")
-        if kind == "text":
-            parts.append(str(block.get("text", "")))
-        elif role == "assistant" and (kind in _DROPPED_ASSISTANT_BLOCKS or (
-                kind == "non_standard" and (block.get("value") or {}).get("type") in _DROPPED_ASSISTANT_BLOCKS)):
+        if kind in _TOOL_CALL_BLOCKS:
             continue
+        if kind == "non_standard" and (block.get("value") or {}).get("type") in ("reasoning", "thinking"):
+            parts.append({"type": "reasoning"})
         else:
-            raise UnsupportedContentError(
-                f"Message {index} holds a {kind!r} content block; the ensemble members are text-only. "
-                "Pass text content (a string or 'text' blocks)."
-            )
-    return "".join(parts)
+            parts.append(dict(block))
+    return parts
 
 
-def to_core_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """Convert LangChain messages; the core normalizes (merges) them afterwards."""
+def to_core_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """Convert LangChain messages; the core normalizes (validates, merges) them afterwards."""
     if not messages:
         raise InputError("No messages were given: pass at least one HumanMessage.")
     out = []
     for i, message in enumerate(messages):
+        if not isinstance(message, BaseMessage):
+            raise InputError(f"Message {i} is a {type(message).__name__}, not a LangChain message.")
         role = message_role(message, i)
-        out.append({"role": role, "content": message_text(message, role, i)})
+        core: dict[str, Any] = {"role": role, "content": content_parts(message)}
+        if isinstance(message, AIMessage) and message.tool_calls:
+            core["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "arguments": c.get("args", {})}
+                                  for c in message.tool_calls]
+        if isinstance(message, ToolMessage):
+            core["tool_call_id"], core["name"] = message.tool_call_id, message.name
+        elif isinstance(message, FunctionMessage):
+            core["name"] = message.name
+        out.append(core)
     return out

@@ -14,7 +14,7 @@ the worker stops after the round it is in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing
 from typing import Any, Dict, List
 
@@ -29,18 +29,20 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_serializer
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, ValidationError, field_serializer
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, Member
+from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, Member, method_class
 from ensemble_core.chat import Prompt
-from ensemble_core.runtime import Run, shared_ensemble
+from ensemble_core.runtime import Run, call_overrides, config_fields, merge_options, shared_ensemble
 
 from .messages import extra_kwargs, raw_payload, to_core_messages
 
 #: Options that are EnsembleLLM fields; method_config must not set them a second time.
 LLM_OPTIONS = ("max_new_tokens", "stop", "temperature", "do_sample")
+#: LlamaIndex's usual constructor names for EnsembleLLM fields.
+FIELD_ALIASES = {"max_tokens": "max_new_tokens", "num_output": "max_new_tokens"}
 #: Template tokens every prompt may add on top of what LlamaIndex counts (SmolLM2's
 #: template adds 30 with its default system prompt).
 TEMPLATE_MARGIN = 64
@@ -65,6 +67,17 @@ class EnsembleLLM(LLM):
     conversation through its own chat template; responses carry token usage in
     ``raw["usage"]`` (``TokenCountingHandler`` reads it) and the method's statistics in
     ``additional_kwargs["ensemble_stats"]``.
+
+    Constructor: the fields below; ``max_tokens`` (LlamaIndex's usual name) is
+    ``max_new_tokens``; any config field of the method (``lookahead=3`` for SAFE) goes
+    into ``method_config``; anything else raises :class:`~ensemble_core.ConfigurationError`.
+    Invalid values raise the library's errors too (``ConfigurationError`` chained to
+    pydantic's ``ValidationError``). Completion calls send the prompt as one user message
+    through the chat path, so both behave alike.
+
+    Not the LangChain class of the same name: ``langchain_ensemble.EnsembleLLM`` is a
+    LangChain ``BaseLLM`` (text completion); this one is a LlamaIndex ``LLM`` (chat and
+    completion). Each package exports the name its framework's users look for.
     """
 
     members: List[Any] = Field(
@@ -81,6 +94,9 @@ class EnsembleLLM(LLM):
     max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call (primary member's tokens).")
     temperature: float = Field(default=0.0, ge=0.0, description="0 decodes greedily; above 0 samples at this temperature.")
     stop: List[str] = Field(default_factory=list, description="Strings that end the response (not included in it).")
+    context_window: int | None = Field(
+        default=None, gt=0, description="Window LlamaIndex fits prompts into (default: the smallest member window "
+                                        "minus context_margin); at most the smallest member window.")
     context_margin: int | None = Field(
         default=None, ge=0, description="Tokens kept free below the smallest member window (default: window/8 + 64)."
     )
@@ -88,7 +104,11 @@ class EnsembleLLM(LLM):
     _ensemble: Ensemble = PrivateAttr()
 
     def __init__(self, **data: Any) -> None:
-        super().__init__(**data)
+        data = _collect_options(data)
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigurationError(f"Invalid EnsembleLLM options: {exc}") from exc
         reserved = sorted(set(self.method_config) & set(LLM_OPTIONS))
         if reserved:
             raise ConfigurationError(
@@ -96,6 +116,11 @@ class EnsembleLLM(LLM):
                 "(max_new_tokens=, stop=, temperature=) instead, so that there is one place for them."
             )
         self._ensemble = shared_ensemble(self.members, self.method, self.method_config, self.member_options)
+        window = self._ensemble.context_window
+        if self.context_window is not None and self.context_window > window:
+            raise ConfigurationError(f"context_window={self.context_window} exceeds the smallest member window "
+                                     f"({window} tokens); pass at most {window}.")
+        self._overrides({})  # validates stop / temperature against the core's rules once, here
 
     @classmethod
     def class_name(cls) -> str:
@@ -116,7 +141,7 @@ class EnsembleLLM(LLM):
         window = self._ensemble.context_window
         margin = self.context_margin if self.context_margin is not None else default_context_margin(window)
         return LLMMetadata(
-            context_window=max(window - margin, 1),
+            context_window=self.context_window or max(window - margin, 1),
             num_output=self.max_new_tokens,
             is_chat_model=True,
             is_function_calling_model=False,
@@ -126,129 +151,144 @@ class EnsembleLLM(LLM):
 
     # ------------------------------------------------------------------ options
     def _overrides(self, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-        """Per-call generation options: the fields, then the call's keyword arguments.
+        """Per-call generation options: the fields, overridden by the call's keyword arguments.
 
-        ``max_tokens`` is accepted as LlamaIndex's usual name for ``max_new_tokens``; any
-        other name must be a field of the method's config, so that a typo raises instead
-        of being ignored.
+        The core's option policy (:func:`ensemble_core.runtime.call_overrides`): a per-call
+        ``stop`` replaces the field's, ``max_tokens`` is ``max_new_tokens``, temperature 0 is
+        greedy, any other name must be a config field of the method.
         """
-        opts = dict(kwargs)
-        if "max_tokens" in opts and "max_new_tokens" in opts:
-            raise ConfigurationError("Pass max_new_tokens or max_tokens, not both.")
-        max_new = opts.pop("max_new_tokens", opts.pop("max_tokens", self.max_new_tokens))
-        temperature = opts.pop("temperature", self.temperature)
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise InvalidOptionError("temperature", temperature, "a number >= 0 (0 decodes greedily)")
-        extra_stop = opts.pop("stop", None) or []
-        if isinstance(extra_stop, str):
-            extra_stop = [extra_stop]
-        stop = tuple(dict.fromkeys([*self.stop, *extra_stop]))
-        known = {f.name for f in dataclasses.fields(self._ensemble.config)} - set(LLM_OPTIONS)
-        unknown = sorted(set(opts) - known)
-        if unknown:
-            raise ConfigurationError(
-                f"Unknown generation option(s) {', '.join(unknown)} for method {self.method!r}; "
-                f"known: max_new_tokens (or max_tokens), temperature, stop, {', '.join(sorted(known))}."
-            )
-        out: Dict[str, Any] = {"max_new_tokens": max_new, "stop": stop, "do_sample": temperature > 0, **opts}
-        if temperature > 0:
-            out["temperature"] = float(temperature)
-        return out
-
-    def _completion_prompt(self, prompt: str, formatted: bool) -> str:
-        return prompt if formatted else self.completion_to_prompt(prompt)
+        fields = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "stop": self.stop}
+        allowed = config_fields(self._ensemble) - {"do_sample"}
+        overrides = call_overrides(merge_options(fields, kwargs), allowed, "EnsembleLLM")
+        overrides.setdefault("do_sample", False)
+        return overrides
 
     def _run(self, prompt: Prompt, kwargs: Dict[str, Any]) -> Run:
         return Run(self._ensemble, prompt, self._overrides(kwargs))
 
-    # ------------------------------------------------------------------ responses
-    def _completion(self, result: GenerationResult, text: str | None = None, delta: str | None = None) -> CompletionResponse:
-        return CompletionResponse(text=result.text if text is None else text, delta=delta,
-                                  raw=raw_payload(result, self._ensemble.name), additional_kwargs=extra_kwargs(result))
+    def _completion_messages(self, prompt: str, formatted: bool) -> list[dict[str, Any]]:
+        """A completion prompt is one user message (see the class docstring)."""
+        return [{"role": "user", "content": prompt if formatted else self.completion_to_prompt(prompt)}]
 
-    def _chat_response(self, result: GenerationResult, text: str | None = None, delta: str | None = None) -> ChatResponse:
-        content = result.text if text is None else text
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content), delta=delta,
-                            raw=raw_payload(result, self._ensemble.name), additional_kwargs=extra_kwargs(result))
+    # ------------------------------------------------------------------ one response path
+    def _response(self, chat: bool, result: GenerationResult | None, text: str, delta: str | None) -> Any:
+        """A chat or completion response; the final one (``result`` given) carries usage and stats."""
+        extra: Dict[str, Any] = {}
+        if result is not None:
+            extra = {"raw": raw_payload(result, self._ensemble), "additional_kwargs": extra_kwargs(result)}
+        if chat:
+            return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, **extra)
+        return CompletionResponse(text=text, delta=delta, **extra)
 
-    # A stream ends with a chunk that adds no text and carries the usage and statistics
+    # A stream ends with a response that adds no text and carries the usage and statistics
     # (as OpenAI's final stream chunk does): callbacks and token counters read the last
     # response of a stream, and the usage is only known once the stream is exhausted.
+    def _generate(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Any:
+        result = self._run(prompt, kwargs).run()
+        return self._response(chat, result, result.text, None)
 
-    # ------------------------------------------------------------------ sync
-    @llm_completion_callback()
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._completion(self._run(self._completion_prompt(prompt, formatted), kwargs).run())
+    def _stream(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Iterator[Any]:
+        run = self._run(prompt, kwargs)  # validated now, so that bad options raise at the call
 
-    @llm_completion_callback()
-    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        run = self._run(self._completion_prompt(prompt, formatted), kwargs)
-
-        def gen() -> CompletionResponseGen:
+        def gen() -> Iterator[Any]:
             text = ""
             try:
                 for delta in run:
                     text += delta
-                    yield CompletionResponse(text=text, delta=delta)
+                    yield self._response(chat, None, text, delta)
             finally:
                 run.close()
-            yield self._completion(run.result, text, "")
+            yield self._response(chat, run.result, text, "")
 
         return gen()
 
+    async def _agenerate(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Any:
+        result = await self._run(prompt, kwargs).arun()
+        return self._response(chat, result, result.text, None)
+
+    async def _astream(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> AsyncIterator[Any]:
+        run = self._run(prompt, kwargs)
+
+        async def gen() -> AsyncIterator[Any]:
+            text = ""
+            async with aclosing(run.astream()) as deltas:
+                async for delta in deltas:
+                    text += delta
+                    yield self._response(chat, None, text, delta)
+            yield self._response(chat, run.result, text, "")
+
+        return gen()
+
+    # ------------------------------------------------------------------ LlamaIndex API
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat_response(self._run(to_core_messages(messages), kwargs).run())
+        return self._generate(to_core_messages(messages), kwargs, chat=True)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        run = self._run(to_core_messages(messages), kwargs)
-
-        def gen() -> ChatResponseGen:
-            text = ""
-            try:
-                for delta in run:
-                    text += delta
-                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
-            finally:
-                run.close()
-            yield self._chat_response(run.result, text, "")
-
-        return gen()
-
-    # ------------------------------------------------------------------ async
-    @llm_completion_callback()
-    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._completion(await self._run(self._completion_prompt(prompt, formatted), kwargs).arun())
-
-    @llm_completion_callback()
-    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        run = self._run(self._completion_prompt(prompt, formatted), kwargs)
-
-        async def gen() -> CompletionResponseAsyncGen:
-            text = ""
-            async with aclosing(run.astream()) as deltas:
-                async for delta in deltas:
-                    text += delta
-                    yield CompletionResponse(text=text, delta=delta)
-            yield self._completion(run.result, text, "")
-
-        return gen()
+        return self._stream(to_core_messages(messages), kwargs, chat=True)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat_response(await self._run(to_core_messages(messages), kwargs).arun())
+        return await self._agenerate(to_core_messages(messages), kwargs, chat=True)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        run = self._run(to_core_messages(messages), kwargs)
+        return await self._astream(to_core_messages(messages), kwargs, chat=True)
 
-        async def gen() -> ChatResponseAsyncGen:
-            text = ""
-            async with aclosing(run.astream()) as deltas:
-                async for delta in deltas:
-                    text += delta
-                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
-            yield self._chat_response(run.result, text, "")
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._generate(self._completion_messages(prompt, formatted), kwargs, chat=False)
 
-        return gen()
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._stream(self._completion_messages(prompt, formatted), kwargs, chat=False)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await self._agenerate(self._completion_messages(prompt, formatted), kwargs, chat=False)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        return await self._astream(self._completion_messages(prompt, formatted), kwargs, chat=False)
+
+
+def _collect_options(data: Dict[str, Any]) -> Dict[str, Any]:
+    """Constructor keywords → fields: aliases renamed, method config fields moved into ``method_config``.
+
+    ``EnsembleLLM(method="safe", lookahead=3)`` equals ``EnsembleLLM(method="safe",
+    method_config={"lookahead": 3})``; a name that is neither a field, an alias nor a
+    config field of the method raises, so that a typo is never silently ignored.
+    """
+    data = dict(data)
+    for alias, name in FIELD_ALIASES.items():
+        if alias in data:
+            if name in data and data[name] != data[alias]:
+                raise ConfigurationError(f"Pass {name} or {alias}, not both (they are the same option).")
+            data[name] = data.pop(alias)
+    known = set(EnsembleLLM.model_fields) | {"callback_manager", "system_prompt", "messages_to_prompt",
+                                             "completion_to_prompt", "output_parser", "pydantic_program_mode",
+                                             "query_wrapper_prompt"}
+    extra = {k: v for k, v in data.items() if k not in known}
+    if not extra:
+        return data
+    method = data.get("method", "safe")
+    fields = {f for f in _config_field_names(method)} - set(LLM_OPTIONS)
+    unknown = sorted(set(extra) - fields)
+    if unknown:
+        raise ConfigurationError(
+            f"Unknown option(s) {', '.join(unknown)} for EnsembleLLM. Options: {', '.join(sorted(EnsembleLLM.model_fields))}"
+            f" (max_tokens is max_new_tokens); and the {method!r} config fields: {', '.join(sorted(fields))}."
+        )
+    method_config = dict(data.get("method_config") or {})
+    for key, value in extra.items():
+        if key in method_config and method_config[key] != value:
+            raise ConfigurationError(f"{key!r} is given twice with different values (as a keyword and in method_config).")
+        method_config[key] = value
+    return {**{k: v for k, v in data.items() if k not in extra}, "method_config": method_config}
+
+
+def _config_field_names(method: Any) -> List[str]:
+    if not isinstance(method, str):
+        raise ConfigurationError(f"method must be a string such as 'safe', got {type(method).__name__}.")
+    return [f.name for f in dataclasses.fields(method_class(method).config_class)]

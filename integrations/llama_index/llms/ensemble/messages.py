@@ -1,14 +1,14 @@
 """LlamaIndex messages and responses ↔ the core's plain data.
 
-The core takes ``[{"role", "content"}]`` with roles system / user / assistant and renders
-the conversation with *each member's own* chat template, so messages are passed through
-as messages (never flattened into one prompt string by ``messages_to_prompt``: that would
-hide the turns from the templates the members were trained on). What LlamaIndex adds on
-top (developer / tool / function roles, content blocks) is mapped here, in one place.
+Only the *translation* of LlamaIndex types lives here; what is done with content parts,
+tool calls and tool results (joining, dropping, rendering per member) is the core's
+message policy (:mod:`ensemble_core.chat`), shared with the LangChain adapter and the server.
 
-Responses carry the usage in ``raw["usage"]`` with OpenAI's key names, which is where
-``TokenCountingHandler`` looks (``llama_index.core.callbacks.token_counting``), and the
-method's statistics in ``additional_kwargs`` and ``raw["stats"]``.
+Messages are passed through as messages (never flattened into one prompt string by
+``messages_to_prompt``: that would hide the turns from the templates the members were
+trained on). Responses carry the usage in ``raw["usage"]`` with OpenAI's key names, which
+is where ``TokenCountingHandler`` looks (``llama_index.core.callbacks.token_counting``),
+and the method's statistics in ``additional_kwargs`` and ``raw["stats"]``.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
     ThinkingBlock,
+    ToolCallBlock,
 )
 
-from ensemble_core import GenerationResult, InputError
+from ensemble_core import Ensemble, GenerationResult, InputError
+from ensemble_core.runtime import result_info, usage
 
-#: LlamaIndex role → core role. Tool and function results are shown to the members as a
-#: user turn (the members are plain chat models without a tool role in their templates).
+#: LlamaIndex role → core role.
 ROLE_MAP: dict[str, str] = {
     MessageRole.SYSTEM.value: "system",
     MessageRole.DEVELOPER.value: "system",
@@ -35,72 +36,65 @@ ROLE_MAP: dict[str, str] = {
     MessageRole.ASSISTANT.value: "assistant",
     MessageRole.MODEL.value: "assistant",
     MessageRole.CHATBOT.value: "assistant",
-    MessageRole.TOOL.value: "user",
-    MessageRole.FUNCTION.value: "user",
+    MessageRole.TOOL.value: "tool",
+    MessageRole.FUNCTION.value: "tool",
 }
-TOOL_ROLES = (MessageRole.TOOL.value, MessageRole.FUNCTION.value)
 
 
-def message_text(message: ChatMessage, index: int = 0) -> str:
-    """The text of one message; non-text content is refused with a clear error.
-
-    Cache points are provider hints and earlier reasoning (thinking blocks) is not part
-    of the conversation, so both are dropped. Images, audio, documents and tool-call
-    blocks cannot be shown to text-only members.
-    """
-    parts: list[str] = []
+def content_parts(message: ChatMessage) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A message's blocks as core content parts, and the tool calls among them."""
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
     for block in message.blocks:
         if isinstance(block, TextBlock):
-            parts.append(block.text)
-        elif isinstance(block, (CachePoint, ThinkingBlock)):
-            continue
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ThinkingBlock):
+            parts.append({"type": "thinking"})
+        elif isinstance(block, CachePoint):
+            parts.append({"type": "cache_point"})
+        elif isinstance(block, ToolCallBlock):
+            calls.append({"id": block.tool_call_id, "name": block.tool_name, "arguments": block.tool_kwargs})
         else:
-            kind = getattr(block, "block_type", type(block).__name__)
-            raise InputError(
-                f"Message {index} holds a {kind!r} block: ensemble members are text-only models, "
-                "so pass text content (describe or transcribe other content first)."
-            )
-    return "\n".join(parts)
+            parts.append({"type": getattr(block, "block_type", type(block).__name__)})
+    return parts, calls
 
 
-def to_core_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """LlamaIndex chat messages → the core's ``[{"role", "content"}]`` list."""
+def _plain(call: Any) -> Any:
+    """An OpenAI SDK tool-call object (``additional_kwargs["tool_calls"]``) as a dict."""
+    return call.model_dump() if hasattr(call, "model_dump") else call
+
+
+def to_core_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """LlamaIndex chat messages → the core's message dicts (see :func:`ensemble_core.normalize_messages`)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise InputError(f"chat() takes a list of ChatMessage, got {type(messages).__name__}.")
     if not messages:
         raise InputError("No messages: pass at least one user message.")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
+        if not isinstance(message, ChatMessage):
+            raise InputError(f"Message {i} is a {type(message).__name__}, not a llama_index ChatMessage.")
         role = message.role.value if isinstance(message.role, MessageRole) else str(message.role)
         if role not in ROLE_MAP:
             raise InputError(f"Message {i} has role {role!r}; use one of {', '.join(ROLE_MAP)}.")
-        text = message_text(message, i)
-        if role in TOOL_ROLES:
-            name = message.additional_kwargs.get("name") or message.additional_kwargs.get("tool_name")
-            text = f"Tool result ({name}): {text}" if name else f"Tool result: {text}"
-        out.append({"role": ROLE_MAP[role], "content": text})
+        parts, calls = content_parts(message)
+        calls += [_plain(c) for c in message.additional_kwargs.get("tool_calls") or []]
+        core: dict[str, Any] = {"role": ROLE_MAP[role], "content": parts}
+        if calls and core["role"] == "assistant":
+            core["tool_calls"] = calls
+        if core["role"] == "tool":
+            extra = message.additional_kwargs
+            core["tool_call_id"] = extra.get("tool_call_id")
+            core["name"] = extra.get("name") or extra.get("tool_name")
+        out.append(core)
     return out
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
-    """Token usage in OpenAI's key names (counted with the method's primary member)."""
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.total_tokens,
-    }
-
-
-def raw_payload(result: GenerationResult, model_name: str) -> dict[str, Any]:
-    """The ``raw`` field of a response: usage where token counters read it, plus the rest."""
-    return {
-        "model": model_name,
-        "usage": usage(result),
-        "finish_reason": result.finish_reason,
-        "seconds": result.seconds,
-        "time_to_first_chunk": result.time_to_first_chunk,
-        "stats": result.stats,
-    }
+def raw_payload(result: GenerationResult, ensemble: Ensemble) -> dict[str, Any]:
+    """The ``raw`` field of a response: usage where token counters read it, plus how it was made."""
+    return {"model": ensemble.name, "usage": usage(result), **result_info(result, ensemble)}
 
 
 def extra_kwargs(result: GenerationResult) -> dict[str, Any]:
-    """``additional_kwargs`` of a response: the method statistics and the finish reason."""
+    """``additional_kwargs`` of a response: the method statistics, the finish reason and the usage."""
     return {"finish_reason": result.finish_reason, "ensemble_stats": result.stats, **usage(result)}

@@ -1,0 +1,104 @@
+"""A member's view of one request: its decoding state and its tokenization of the shared text.
+
+Every method shares the response as *text* (see :mod:`~ensemble_core.alignment`). Each
+member reads that text after its own *reply lead* (the whitespace its chat format puts
+before a reply: ``" "`` after a plain ``"Assistant:"``, nothing after a chat template's
+generation prompt, see :meth:`Member.response_lead`), tokenizes it with its own tokenizer
+and keeps a KV cache over those ids. :class:`MemberView` holds the three together and is
+the one place where a member's ids are brought in line with a new tokenization
+(:meth:`~MemberView.commit`) or cut back at a boundary (:meth:`~MemberView.truncate`).
+SAFE, SpecEM and the baselines all use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .alignment import DEFAULT_MARGIN, EMPTY, Tokenized, encode_continuation
+from .chat import Prompt
+from .generation import GenerationConfig, make_generator
+from .members import DecodeState, Member
+
+
+@dataclass
+class MemberView:
+    """One member within one request.
+
+    ``tokens`` is the member's latest tokenization of its own text (``lead`` + shared
+    text), with character spans relative to the start of that text. The decoding state's
+    response ids equal ``tokens.ids`` after :meth:`commit`; in between, a method may run
+    further ids through the state (SAFE's drafter drafts ahead of its committed tokens, a
+    verifier's ``tokens`` cover the draft it is checking).
+    """
+
+    member: Member
+    state: DecodeState
+    lead: str = ""
+    tokens: Tokenized = EMPTY
+    generator: torch.Generator | None = None
+
+    @property
+    def tokenizer(self) -> object:
+        return self.member.tokenizer
+
+    def own_text(self, shared: str) -> str:
+        """This member's text for the shared text ``shared`` (the lead only once there is text)."""
+        return self.lead + shared if shared else ""
+
+    def piece(self, shared: str, new: str) -> str:
+        """The text this member appends for ``new`` after the shared text ``shared`` (its lead first)."""
+        return (self.lead if not shared else "") + new
+
+    def offset(self, shared: int) -> int:
+        """This member's character offset for offset ``shared`` of the shared text.
+
+        Offset 0 stays 0: there the member has yet to write its lead (a prefix to fusion).
+        """
+        return len(self.lead) + shared if shared else 0
+
+    def continuation(self, text: str, margin: int = DEFAULT_MARGIN) -> tuple[int, Tokenized]:
+        """Tokenize the member's new text ``text`` reusing :attr:`tokens` (see ``encode_continuation``)."""
+        return encode_continuation(self.member.tokenizer, text, self.tokens, margin)
+
+    def appended(self, shared: str, new: str) -> tuple[int, Tokenized]:
+        """:meth:`continuation` for the shared text ``shared`` followed by ``new``."""
+        return self.continuation(self.tokens.text + self.piece(shared, new))
+
+    def commit(self, keep: int, tokens: Tokenized) -> None:
+        """Make ``tokens`` the member's text: keep the first ``keep`` response ids, feed the rest.
+
+        Ids past ``keep`` are cropped from the state (and its cache); the new ids are
+        appended without a forward pass (they are fed by the next ``score``).
+        """
+        state = self.state
+        if state.prompt_len + keep < len(state.ids):
+            state.crop(state.prompt_len + keep)
+        state.extend(tokens.ids[keep:])
+        self.tokens = tokens
+
+    def truncate(self, n: int) -> int:
+        """Keep at most ``n`` committed tokens, cut back to a valid boundary; return how many remain."""
+        tokens = self.tokens.truncated(n)
+        self.state.crop(self.state.prompt_len + len(tokens))
+        self.tokens = tokens
+        return len(tokens)
+
+
+def start_views(members: Sequence[Member], prompt: Prompt, config: GenerationConfig,
+                seeded: bool = False) -> list[MemberView]:
+    """A fresh view per member (raises ``PromptTooLongError`` like :meth:`Member.start`).
+
+    With ``seeded`` each member gets its own sampling generator, seeded ``seed + i``, so
+    that members drafting in parallel threads draw reproducibly.
+    """
+    views = []
+    for i, m in enumerate(members):
+        generator = None
+        if seeded:
+            own = config.replace(seed=config.seed + i) if config.do_sample and config.seed is not None else config
+            generator = make_generator(own)
+        views.append(MemberView(m, m.start(prompt, config.max_new_tokens), m.response_lead(prompt), EMPTY, generator))
+    return views

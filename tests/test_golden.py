@@ -1,0 +1,33 @@
+"""Greedy outputs of every method on the bundled real pair, byte for byte as recorded.
+
+``tests/golden/outputs.json`` was written by ``tests/golden/record.py`` from the code as it
+was before the core-shape refactor (one member view, the selection module, typed stats, one
+message policy). Greedy decoding is deterministic on one machine, so any difference here is
+a behaviour change of the core, not noise. Re-record only on purpose, and say why in the
+commit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ensemble_core import Member
+
+sys.path.insert(0, str(Path(__file__).parent / "golden"))
+import record  # noqa: E402
+
+pytestmark = pytest.mark.real
+
+RECORDED = json.loads(record.OUT.read_text())
+
+
+@pytest.mark.parametrize("case", record.CASES, ids=[c[0] for c in record.CASES])
+def test_greedy_outputs_are_unchanged(case: tuple, real_pair: list[Member]) -> None:
+    name, method, idx, config = case
+    assert RECORDED["max_new_tokens"] == record.MAX_NEW_TOKENS
+    got = [record.run_case(real_pair, method, idx, config, p) for p in record.PROMPTS]
+    assert got == RECORDED["cases"][name]
