@@ -91,19 +91,17 @@ def _add_member_flags(p: argparse.ArgumentParser, default_members: bool = True) 
 
 # ---------------------------------------------------------------------------- output helpers
 def format_stats(stats: dict[str, Any]) -> list[str]:
-    """Readable lines for a method's stats dict (E/T first when the method reports it)."""
-    from .bench import ensemble_ratio
-
+    """Readable lines for a method's stats dict (see :mod:`ensemble_core.stats`; E/T first when reported)."""
     lines = []
-    et = ensemble_ratio(stats)
-    if et is not None:
-        lines.append(f"E/T (ensembled / total tokens): {et:.1%}")
+    if "e_t" in stats:
+        lines.append(f"E/T (ensembled / total tokens): {stats['e_t']:.1%}")
     for key, value in stats.items():
-        if key in ("members", "per_member") and isinstance(value, list) and all(isinstance(v, dict) for v in value):
+        if key == "e_t":
+            continue
+        if key == "members":
             for v in value:
-                role = f" ({v['role']})" if "role" in v else ""
-                lines.append(f"{v.get('name', '?')}{role}: {v.get('forward_passes', '?')} forward passes, "
-                             f"{v.get('tokens_fed', '?')} tokens fed, {v.get('seconds', 0.0):.2f} s")
+                lines.append(f"{v['name']} ({v['role']}): {v['forward_passes']} forward passes, "
+                             f"{v['tokens_fed']} tokens fed, {v['seconds']:.2f} s")
             continue
         if isinstance(value, float):
             value = round(value, 3)

@@ -118,6 +118,37 @@ def call_overrides(options: Mapping[str, Any], config_fields: frozenset[str] | s
     return out
 
 
+def collect_method_options(data: Mapping[str, Any], known: set[str] | frozenset[str], method: Any,
+                           owner: str, reserved: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Constructor keywords of an adapter → its fields, with method config fields moved into ``method_config``.
+
+    ``ChatEnsemble(method="safe", lookahead=4)`` equals ``ChatEnsemble(method="safe",
+    method_config={"lookahead": 4})``. ``known`` are the adapter's own field names;
+    ``reserved`` config fields must be given as adapter fields instead. A name that is
+    neither raises, so that a typo is never silently ignored.
+    """
+    extra = {k: v for k, v in data.items() if k not in known}
+    if not extra:
+        return dict(data)
+    if not isinstance(method, str):
+        raise InvalidOptionError("method", method, "a method name such as 'safe'")
+    from .ensemble import method_class
+
+    fields = {f.name for f in dataclasses.fields(method_class(method).config_class)} - set(reserved)
+    unknown = sorted(set(extra) - fields)
+    if unknown:
+        raise ConfigurationError(
+            f"Unknown option(s) {', '.join(unknown)} for {owner}. Options: {', '.join(sorted(known))}; "
+            f"and the {method!r} config fields: {', '.join(sorted(fields))}."
+        )
+    method_config = dict(data.get("method_config") or {})
+    for key, value in extra.items():
+        if key in method_config and method_config[key] != value:
+            raise ConfigurationError(f"{key!r} is given twice with different values (as a keyword and in method_config).")
+        method_config[key] = value
+    return {**{k: v for k, v in data.items() if k not in extra}, "method_config": method_config}
+
+
 def config_fields(ensemble: Ensemble) -> frozenset[str]:
     """Names of the fields of ``ensemble``'s method config."""
     return frozenset(f.name for f in dataclasses.fields(ensemble.config))

@@ -52,6 +52,7 @@ point, whose candidates are always whole strings.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +63,7 @@ from .chat import Prompt
 from .distributions import Distribution, EndOfText, check_fusion_options, make_distribution, member_table, sharpen
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
-from .members import DecodeState, Member
+from .members import Member
 from .stats import MemberStats, SafeStats
 from .view import MemberView, start_views
 
@@ -109,17 +110,6 @@ class SafeConfig(GenerationConfig):
 
 
 @dataclass
-class _Counters:
-    ensembled: int = 0
-    skipped_oov: int = 0
-    skipped_consensus: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    replaced: int = 0
-    rounds: int = 0
-
-
-@dataclass
 class SafeRequest:
     config: SafeConfig
     views: list[MemberView]
@@ -127,12 +117,8 @@ class SafeRequest:
     fusion: Distribution
     generator: torch.Generator | None
     text: str = ""
-    counters: _Counters = field(default_factory=_Counters)
+    counters: SafeStats = field(default_factory=lambda: SafeStats("safe"))  # counted as the request runs
     spent: int = 0  # generation steps: accepted drafter tokens + >= 1 per ensemble-chosen string
-
-    @property
-    def states(self) -> list[DecodeState]:
-        return [v.state for v in self.views]
 
     def used(self) -> int:
         """Budget used against ``max_new_tokens``: the drafter's tokens of the text, or the
@@ -473,13 +459,11 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
 
     # ------------------------------------------------------------------ stats
     def stats(self, request: SafeRequest) -> SafeStats:
-        c, config = request.counters, request.config
-        return SafeStats(
-            method=self.name, tokens=len(request.views[request.drafter].tokens), rounds=c.rounds,
+        """The counters kept during the request, completed with the totals and the members' work."""
+        return dataclasses.replace(
+            request.counters, method=self.name, tokens=len(request.views[request.drafter].tokens),
             members=[MemberStats.of(v.state, "drafter" if i == request.drafter else "verifier")
                      for i, v in enumerate(request.views)],
-            distribution=config.distribution, ensembled=c.ensembled,
-            drafter=request.views[request.drafter].member.name, sharpening=config.sharpening,
-            skipped_oov=c.skipped_oov, skipped_consensus=c.skipped_consensus,
-            drafted=c.drafted, accepted=c.accepted, replaced=c.replaced,
+            distribution=request.config.distribution, drafter=request.views[request.drafter].member.name,
+            sharpening=request.config.sharpening,
         )

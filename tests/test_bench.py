@@ -35,7 +35,7 @@ ARTEFACTS = ("results.jsonl", "summary.json", "summary.md", "latency_per_method.
 
 def _rec(method: str, qid: str, latency: float, tokens: int = 10, correct: bool = True, et: float | None = None,
          ttft: float | None = 0.1, time_to_l: float | None = None, kind: str = "x", chars: int = 100) -> dict:
-    stats = {} if et is None else {"tokens": tokens, "ensembled_tokens": round(et * tokens)}
+    stats = {} if et is None else {"tokens": tokens, "ensembled": round(et * tokens), "e_t": et}
     return {"method": method, "kind": kind, "question_id": qid, "latency_s": latency, "tokens": tokens,
             "chars": chars, "correct": correct, "ttft_s": ttft, "time_to_L_s": time_to_l, "et": et, "corrupted": False,
             "finish_reason": "eos", "stats": stats}
@@ -112,8 +112,8 @@ def test_targets_not_evaluated_say_why() -> None:
 
 def test_record_helpers() -> None:
     assert is_corrupted("a\ufffdb") and is_corrupted("bad \ud800 surrogate") and not is_corrupted("東京 😀")
-    assert ensemble_ratio({"e_t": 0.25}) == 0.25
-    assert ensemble_ratio({"ensembled_tokens": 3, "tokens": 12}) == 0.25
+    assert ensemble_ratio({"e_t": 0.25}) == 0.25  # the typed stats' key; nothing else is guessed
+    assert ensemble_ratio({"ensembled": 3, "tokens": 12}) is None
     assert ensemble_ratio({"tokens": 12}) is None and ensemble_ratio({"e_t": True}) is None
     assert cut_at_stop("abc\nUser: x", ["\nUser:"]) == ("abc", True)
     assert cut_at_stop("abc", ["\nUser:"]) == ("abc", False)

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, Valid
 
 from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, method_class
 from ensemble_core.chat import Prompt
-from ensemble_core.runtime import Run, call_overrides, merge_options, result_info, shared_ensemble
+from ensemble_core.runtime import Run, call_overrides, collect_method_options, merge_options, result_info, shared_ensemble
 
 DEFAULT_METHOD = "safe"
 PROVIDER = "ensemble"
@@ -241,25 +241,9 @@ def _collect_method_options(cls: type[BaseModel], data: dict[str, Any]) -> dict[
         known.add(name)
         if info.alias:
             known.add(info.alias)
-    extra = {k: v for k, v in data.items() if k not in known}
-    if not extra:
-        return data
     ensemble = data.get("ensemble")
     method = ensemble.method_name if isinstance(ensemble, Ensemble) else data.get("method", DEFAULT_METHOD)
-    fields = config_fields(method)
-    unknown = sorted(set(extra) - fields)
-    if unknown:
-        raise ConfigurationError(
-            f"Unknown option(s) {', '.join(unknown)} for {cls.__name__}. Options: {', '.join(sorted(known))}; "
-            f"and the {method!r} config fields: {', '.join(sorted(fields))}."
-        )
-    method_config = dict(data.get("method_config") or {})
-    for key, value in extra.items():
-        if key in method_config and method_config[key] != value:
-            raise ConfigurationError(f"{key!r} is given twice with different values (as a keyword and in method_config).")
-        method_config[key] = value
-    rest = {k: v for k, v in data.items() if k not in extra}
-    return {**rest, "method_config": method_config}
+    return collect_method_options(data, known, method, cls.__name__)
 
 
 def _check_number(option: str, value: Any, minimum: float, strict: bool = False, integer: bool = False) -> None:

@@ -13,7 +13,6 @@ the worker stops after the round it is in.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing
 from typing import Any, Dict, List
@@ -33,9 +32,9 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, ValidationError
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, Member, method_class
+from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, Member
 from ensemble_core.chat import Prompt
-from ensemble_core.runtime import Run, call_overrides, config_fields, merge_options, shared_ensemble
+from ensemble_core.runtime import Run, call_overrides, collect_method_options, config_fields, merge_options, shared_ensemble
 
 from .messages import extra_kwargs, raw_payload, to_core_messages
 
@@ -266,29 +265,5 @@ def _collect_options(data: Dict[str, Any]) -> Dict[str, Any]:
             if name in data and data[name] != data[alias]:
                 raise ConfigurationError(f"Pass {name} or {alias}, not both (they are the same option).")
             data[name] = data.pop(alias)
-    known = set(EnsembleLLM.model_fields) | {"callback_manager", "system_prompt", "messages_to_prompt",
-                                             "completion_to_prompt", "output_parser", "pydantic_program_mode",
-                                             "query_wrapper_prompt"}
-    extra = {k: v for k, v in data.items() if k not in known}
-    if not extra:
-        return data
-    method = data.get("method", "safe")
-    fields = {f for f in _config_field_names(method)} - set(LLM_OPTIONS)
-    unknown = sorted(set(extra) - fields)
-    if unknown:
-        raise ConfigurationError(
-            f"Unknown option(s) {', '.join(unknown)} for EnsembleLLM. Options: {', '.join(sorted(EnsembleLLM.model_fields))}"
-            f" (max_tokens is max_new_tokens); and the {method!r} config fields: {', '.join(sorted(fields))}."
-        )
-    method_config = dict(data.get("method_config") or {})
-    for key, value in extra.items():
-        if key in method_config and method_config[key] != value:
-            raise ConfigurationError(f"{key!r} is given twice with different values (as a keyword and in method_config).")
-        method_config[key] = value
-    return {**{k: v for k, v in data.items() if k not in extra}, "method_config": method_config}
-
-
-def _config_field_names(method: Any) -> List[str]:
-    if not isinstance(method, str):
-        raise ConfigurationError(f"method must be a string such as 'safe', got {type(method).__name__}.")
-    return [f.name for f in dataclasses.fields(method_class(method).config_class)]
+    return collect_method_options(data, set(EnsembleLLM.model_fields), data.get("method", "safe"), "EnsembleLLM",
+                                  reserved=LLM_OPTIONS)

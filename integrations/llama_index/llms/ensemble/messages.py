@@ -26,7 +26,7 @@ from llama_index.core.base.llms.types import (
 )
 
 from ensemble_core import Ensemble, GenerationResult, InputError
-from ensemble_core.runtime import result_info, usage
+from ensemble_core.runtime import api_finish_reason, result_info, usage
 
 #: LlamaIndex role → core role.
 ROLE_MAP: dict[str, str] = {
@@ -97,4 +97,5 @@ def raw_payload(result: GenerationResult, ensemble: Ensemble) -> dict[str, Any]:
 
 def extra_kwargs(result: GenerationResult) -> dict[str, Any]:
     """``additional_kwargs`` of a response: the method statistics, the finish reason and the usage."""
-    return {"finish_reason": result.finish_reason, "ensemble_stats": result.stats, **usage(result)}
+    return {"finish_reason": api_finish_reason(result.finish_reason), "stop_reason": result.finish_reason,
+            "ensemble_stats": result.stats, **usage(result)}

@@ -1,0 +1,129 @@
+"""The benchmark's artefacts: ``summary.md`` and the PNG plots."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .records import RESULTS_FILE, mean
+
+
+def _fmt(value: Any, kind: str = "f") -> str:
+    if value is None:
+        return "–"
+    if kind == "pct":
+        return f"{value:.1%}"
+    if kind == "x":
+        return f"{value:.2f}x"
+    return f"{value:.2f}"
+
+
+def hardware() -> dict[str, Any]:
+    info = {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "processor": platform.processor()}
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def write_markdown(path: Path, summary: dict[str, Any]) -> None:
+    meta = summary["meta"]
+    lines = [f"# Benchmark: {meta['dataset']} ({meta['questions']} questions)", "",
+             f"- date: {meta['date']}", f"- command: `{meta['command']}`",
+             f"- members: {', '.join(meta['members'])}; max_new_tokens {meta['max_new_tokens']}; shots {meta['shots']}",
+             f"- hardware: {meta['hardware']['platform']}, {meta['hardware']['cpu_count']} CPUs "
+             f"({meta['hardware']['torch_threads']} torch threads), torch {meta['hardware']['torch']}"
+             + (f", GPUs: {', '.join(meta['hardware']['gpus'])}" if meta['hardware'].get('gpus') else ""), "",
+             "| method | n | accuracy | mean latency s | tokens/s | s/100 chars | TTFT/TTFS s | E/T | x own drafter "
+             "| x fast member | x slow member | corrupted | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, v in summary["methods"].items():
+        lines.append(f"| {label} | {v['questions']} | {_fmt(v['accuracy'], 'pct')} | {_fmt(v['mean_latency_s'])} | "
+                     f"{_fmt(v['tokens_per_s'], 'f')} | {_fmt(v['s_per_100_chars'])} | {_fmt(v['mean_ttft_s'])} | "
+                     f"{_fmt(v['et'], 'pct')} | "
+                     f"{_fmt(v['ratio_to_drafter'], 'x')} | {_fmt(v['ratio_to_fast'], 'x')} | "
+                     f"{_fmt(v['ratio_to_slow'], 'x')} | {v['corrupted']} | {v['errors']} |")
+    lines += ["", "Tokens are counted with each row's primary member's tokenizer (the drafter for SAFE, the "
+              "first member otherwise). The x columns compare time per output character (s/100 chars) on the same "
+              "questions, because the methods' answers differ in length; the per-question latency ratios are in "
+              "summary.json (latency_ratio_to_*). Fast / slow member: the single row with the lowest / highest "
+              "time per character.", ""]
+    if summary["skipped"]:
+        lines += ["## Skipped methods", ""] + [f"- **{k}**: {v}" for k, v in summary["skipped"].items()] + [""]
+    lines += ["## Targets (from the issues; declared in ensemble_core/bench/targets.json)", "",
+              "| target | value | threshold | status | detail |", "|---|---|---|---|---|"]
+    for t in summary["targets"]:
+        lines.append(f"| {t['target']} | {_fmt(t['value'])} | {t['threshold']} | **{t['status']}** | {t['detail']} |")
+    micro = summary.get("microbench")
+    if micro and "skipped" not in micro:
+        lines += ["", f"Verify-in-line microbenchmark ({micro['reps']} repetitions, summed over members): {micro['detail']}."]
+    lines += ["", "Plots: `latency_per_method.png`, `latency_vs_length.png`, `et_distribution.png`; "
+              f"per-question records: `{RESULTS_FILE}`.", ""]
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def write_plots(out: Path, labels: list[str], records: list[dict[str, Any]]) -> list[str]:
+    """Latency per method (bar), latency vs output length (scatter), E/T distribution (histogram)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if "error" not in r]
+    written = []
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(labels) + 1.5))
+    means = [mean([r["latency_s"] for r in ok if r["method"] == lb]) or 0.0 for lb in labels]
+    sds = [statistics.pstdev([r["latency_s"] for r in ok if r["method"] == lb] or [0.0]) for lb in labels]
+    ax.barh(labels, means, xerr=sds, color="tab:blue", alpha=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("mean latency per question (s), ± 1 sd")
+    ax.set_title("Latency per method")
+    fig.tight_layout()
+    fig.savefig(out / "latency_per_method.png", dpi=110)
+    plt.close(fig)
+    written.append("latency_per_method.png")
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for lb in labels:
+        pts = [(r["tokens"], r["latency_s"]) for r in ok if r["method"] == lb]
+        if pts:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=lb, s=18, alpha=0.75)
+    ax.set_xlabel("output tokens (primary member's tokenizer)")
+    ax.set_ylabel("latency (s)")
+    ax.set_title("Latency vs output length")
+    if any(r["method"] in labels for r in ok):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "latency_vs_length.png", dpi=110)
+    plt.close(fig)
+    written.append("latency_vs_length.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    et_labels = [lb for lb in labels if any(r["method"] == lb and r.get("et") is not None for r in ok)]
+    if et_labels:
+        ax.hist([[r["et"] for r in ok if r["method"] == lb and r.get("et") is not None] for lb in et_labels],
+                bins=[i / 20 for i in range(21)], label=et_labels, alpha=0.8)
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no method reported E/T", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("E/T per question (ensembled tokens / total tokens)")
+    ax.set_ylabel("questions")
+    ax.set_title("E/T distribution")
+    fig.tight_layout()
+    fig.savefig(out / "et_distribution.png", dpi=110)
+    plt.close(fig)
+    written.append("et_distribution.png")
+    return written
+
+

@@ -1,0 +1,410 @@
+"""Options, runners, rows and the interleaved driver of ``ensemble bench``.
+
+Every method runs on the same questions, *interleaved* per question in one process, so
+that machine load, caches and thermal state affect all methods alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..alignment import decode
+from ..datasets import DEFAULT_SHOTS, Problem, cot_prompt, load_dataset
+from ..ensemble import Ensemble, method_class, resolve_members
+from ..errors import ConfigurationError, EnsembleError, InvalidOptionError
+from ..members import Member
+from ..stats import MemberStats, RequestStats
+from .microbench import verify_microbench
+from .records import RESULTS_FILE, error_record, jsonable, make_record, summarize_rows
+from .report import hardware, write_markdown, write_plots
+from .targets import evaluate_targets
+
+ALL_METHODS = ("single", "every-token", "safe", "specem", "generate-then-select")
+
+
+# ============================================================================ options
+@dataclass
+class BenchOptions:
+    """Everything one benchmark run depends on (recorded in summary.json)."""
+
+    dataset: str = "gsm8k"
+    data_path: str | None = None
+    limit: int | None = 20
+    offset: int = 0
+    shots: int | None = None  # None: the dataset's default (datasets.DEFAULT_SHOTS)
+    methods: tuple[str, ...] = ALL_METHODS
+    members: tuple[str, ...] = ("smollm2-135m-instruct", "gemma3-270m")
+    devices: tuple[str, ...] = ()
+    dtype: str = "auto"
+    max_new_tokens: int = 256
+    #: Same for every method: a base model answering through the fallback transcript goes on
+    #: to invent the next "Question:" after answering; its answer is then not the last number.
+    stop: tuple[str, ...] = ("\nQuestion:",)
+    every_token_distributions: tuple[str, ...] = ("unite",)
+    safe_drafters: tuple[int, ...] | None = None  # None: every member in turn
+    method_config: dict[str, dict[str, Any]] = field(default_factory=dict)  # method name (or "*") → overrides
+    out: str = "results/bench"
+    resume: bool = False
+    warmup: bool = True
+    plots: bool = True
+    microbench: bool = True
+    microbench_reps: int = 5
+    progress: bool = True
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        self.methods = tuple(self.methods)
+        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        if unknown or not self.methods:
+            raise InvalidOptionError("methods", list(self.methods), "a non-empty subset of " + ", ".join(ALL_METHODS))
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidOptionError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        if self.shots is not None and (not isinstance(self.shots, int) or self.shots < 0):
+            raise InvalidOptionError("shots", self.shots, "an integer >= 0 or None (the dataset's default)")
+        bad = [d for d in self.every_token_distributions if d not in ("unite", "gac")]
+        if bad or not self.every_token_distributions:
+            raise InvalidOptionError("every_token_distributions", list(self.every_token_distributions),
+                                     "a non-empty subset of unite, gac")
+        if len(self.members) < 1:
+            raise InvalidOptionError("members", list(self.members), "at least one member")
+        if self.devices and len(self.devices) not in (1, len(self.members)):
+            raise InvalidOptionError("devices", list(self.devices),
+                                     f"one device for all members or one per member ({len(self.members)})")
+        if self.safe_drafters is not None:
+            bad_d = [d for d in self.safe_drafters if not 0 <= d < len(self.members)]
+            if bad_d:
+                raise InvalidOptionError("safe_drafters", list(self.safe_drafters),
+                                         f"member indices in 0..{len(self.members) - 1}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise InvalidOptionError("threads", self.threads, "an integer >= 1 or None")
+        if not isinstance(self.microbench_reps, int) or self.microbench_reps < 1:
+            raise InvalidOptionError("microbench_reps", self.microbench_reps, "an integer >= 1")
+
+
+# ============================================================================ runners
+@dataclass
+class RunOutput:
+    """What one method produced for one question, with its timings."""
+
+    text: str
+    seconds: float
+    tokens: int
+    ttft: float | None
+    finish_reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+    time_to_l: float | None = None
+    token_ids: list[int] | None = None  # single rows: the generated ids (not written to the records)
+
+
+class _TimingStreamer:
+    """A ``generate`` streamer that only records when new tokens arrive.
+
+    ``generate`` calls ``put`` once with the prompt, then once per new token, so the
+    arrival times give time to first token and time to the L-th token exactly, with no
+    extra thread (unlike TextIteratorStreamer).
+    """
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.calls = 0
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            self.times.extend([time.perf_counter() - self.t0] * int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+class _TextStop:
+    """Stop ``generate`` once the decoded tail of the response contains a stop string.
+
+    transformers' ``StopStringCriteria`` precomputes tables over the whole vocabulary:
+    measured 7–14 s per construction for Gemma-3's 262k vocabulary on this CPU (and
+    ``generate(stop_strings=...)`` rebuilds it every call), which would land inside the
+    single-model timings. Decoding the last few tokens per step costs microseconds and
+    matches how the ensemble methods detect stops (on text).
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str], prompt_len: int) -> None:
+        self.tokenizer, self.stops, self.prompt_len = tokenizer, tuple(stops), prompt_len
+        self.window = 4 * max(len(s) for s in stops) + 8  # tokens: a character may take up to 4 byte tokens
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        start = max(self.prompt_len, input_ids.shape[1] - self.window)
+        done = [any(s in decode(self.tokenizer, row[start:].tolist()) for s in self.stops) for row in input_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to the first stop string (and whether one was found)."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+class HFSingleRunner:
+    """One member alone through Hugging Face ``model.generate`` (greedy, with cache)."""
+
+    kind = "single"
+
+    def __init__(self, member: Member, stop: Sequence[str] = (), l_tokens: int = 10) -> None:
+        self.member = member
+        self.stops = tuple(dict.fromkeys([*stop, *member.stop_strings]))
+        self.l_tokens = l_tokens
+        self.name = member.name
+
+    @torch.inference_mode()
+    def run(self, prompt: list[dict[str, str]], max_new_tokens: int) -> RunOutput:
+        member = self.member
+        ids = member.encode_prompt(member.render(prompt))
+        input_ids = torch.tensor([ids], dtype=torch.long, device=member.device)
+        eos = sorted(member.eos_token_ids)
+        kwargs: dict[str, Any] = {}
+        if self.stops:
+            from transformers import StoppingCriteriaList
+
+            kwargs["stopping_criteria"] = StoppingCriteriaList([_TextStop(member.tokenizer, self.stops, len(ids))])
+        pad = member.tokenizer.pad_token_id if member.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+        streamer = _TimingStreamer()
+        out = member.model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=eos or None, pad_token_id=pad, streamer=streamer, **kwargs)
+        seconds = time.perf_counter() - streamer.t0
+        new = [int(t) for t in out[0, len(ids):]]
+        finish = "length"
+        if new and new[-1] in member.eos_token_ids:
+            new, finish = new[:-1], "eos"
+        text, stopped = cut_at_stop(member.decode(new), self.stops)
+        if stopped:
+            finish = "stop"
+        text = text.lstrip()
+        times = streamer.times
+        return RunOutput(text=text, seconds=seconds, tokens=len(new), ttft=times[0] if times else None,
+                         finish_reason=finish,
+                         stats=RequestStats("single", len(new), len(new), [MemberStats(member.name, "member")]).as_dict(),
+                         time_to_l=times[self.l_tokens - 1] if len(times) >= self.l_tokens else None, token_ids=new)
+
+
+class EnsembleRunner:
+    """A registry method (SAFE, SpecEM, every-token, generate-then-select) through :class:`Ensemble`."""
+
+    def __init__(self, ensemble: Ensemble, kind: str) -> None:
+        self.ensemble = ensemble
+        self.kind = kind
+
+    def run(self, prompt: list[dict[str, str]], max_new_tokens: int) -> RunOutput:
+        r = self.ensemble.generate(prompt, max_new_tokens=max_new_tokens)
+        return RunOutput(text=r.text, seconds=r.seconds, tokens=r.completion_tokens, ttft=r.time_to_first_chunk,
+                         finish_reason=r.finish_reason, stats=jsonable(r.stats))
+
+
+# ============================================================================ plan
+@dataclass
+class Row:
+    """One method setting of the benchmark: a label, how to build it, its role."""
+
+    label: str
+    kind: str  # single | every-token | safe | specem | generate-then-select
+    runner: Any = None
+    skipped: str | None = None
+    member: str | None = None  # single rows
+    drafter: str | None = None  # safe rows
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _config_fields(method: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(method_class(method).config_class)}
+
+
+def _overrides(method: str, options: BenchOptions) -> dict[str, Any]:
+    """Config overrides for ``method``: ``*`` entries where the field exists, then the method's own."""
+    fields = _config_fields(method)
+    chosen = {k: v for k, v in options.method_config.get("*", {}).items() if k in fields}
+    chosen.update(options.method_config.get(method, {}))
+    if options.stop:
+        chosen["stop"] = tuple(options.stop)
+    return chosen
+
+
+def check_available(options: BenchOptions) -> None:
+    """Raise early for ``--set`` names no requested method knows (a typo would otherwise be silent)."""
+    for key, values in options.method_config.items():
+        if key == "*":
+            known: set[str] = set()
+            for m in options.methods:
+                if m == "single":
+                    continue
+                try:
+                    known |= _config_fields(m)
+                except ConfigurationError:
+                    continue
+            unknown = sorted(set(values) - known)
+            if unknown and known:
+                raise ConfigurationError(
+                    f"--set {', '.join(unknown)}: no benchmarked method has such a config field; "
+                    f"known: {', '.join(sorted(known))}.")
+        elif key not in ALL_METHODS or key == "single":
+            raise InvalidOptionError("--set prefix", key, "a method name among " + ", ".join(ALL_METHODS[1:]))
+
+
+def build_rows(members: list[Member], options: BenchOptions) -> list[Row]:
+    """The benchmark rows, each with a ready runner or a skip reason."""
+    rows: list[Row] = []
+    l_tokens = _segment_length(options)
+
+    def add(label: str, kind: str, make: Callable[[], Any], **info: Any) -> None:
+        try:
+            rows.append(Row(label, kind, runner=make(), **info))
+        except (EnsembleError, ImportError, TypeError, ValueError) as exc:
+            rows.append(Row(label, kind, skipped=f"{type(exc).__name__}: {exc}", **info))
+
+    def ensemble(method: str, ms: list[Member], **config: Any) -> Callable[[], EnsembleRunner]:
+        return lambda: EnsembleRunner(Ensemble(ms, method=method, max_new_tokens=options.max_new_tokens, **config), method)
+
+    for method in options.methods:
+        if method == "single":
+            for m in members:
+                add(f"single[{m.name}]", "single", lambda m=m: HFSingleRunner(m, options.stop, l_tokens), member=m.name)
+            continue
+        try:
+            base = _overrides(method, options)
+        except ConfigurationError as exc:
+            rows.append(Row(method, method, skipped=str(exc)))
+            continue
+        if method == "every-token":
+            for dist in options.every_token_distributions:
+                cfg = {**base, "distribution": dist}
+                add(f"every-token[{dist}]", method, ensemble(method, members, **cfg), config=cfg)
+        elif method == "safe":
+            for i in options.safe_drafters if options.safe_drafters is not None else range(len(members)):
+                cfg = {**base, "drafter": i}
+                add(f"safe[drafter={members[i].name}]", method, ensemble(method, members, **cfg),
+                    drafter=members[i].name, config=cfg)
+        else:
+            add(method, method, ensemble(method, members, **base), config=base)
+    return rows
+
+
+def _segment_length(options: BenchOptions) -> int:
+    """SpecEM's segment length L (for the "time to produce L tokens" reference)."""
+    for source in (options.method_config.get("specem", {}), options.method_config.get("*", {})):
+        if "segment_length" in source:
+            return int(source["segment_length"])
+    try:
+        cls = method_class("specem").config_class
+        return int(getattr(cls(), "segment_length", 10))
+    except (ConfigurationError, TypeError, ValueError):
+        return 10
+
+
+# ============================================================================ driver
+def _load_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with path.open(encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _warm_up(rows: list[Row]) -> None:
+    """One tiny generation per row, so one-time costs (kernels, allocator) stay out of the timings."""
+    for row in rows:
+        if row.runner is None:
+            continue
+        try:
+            row.runner.run([{"role": "user", "content": "What is 2 + 3?"}], 4)
+        except Exception as exc:  # noqa: BLE001 - a broken method is reported per question below
+            print(f"warm-up of {row.label} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def run_bench(options: BenchOptions, members: list[Member] | None = None) -> dict[str, Any]:
+    """Run the benchmark described by ``options`` and write every artefact; returns the summary."""
+    from tqdm.auto import tqdm
+
+    check_available(options)
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    problems = load_dataset(options.dataset, options.limit, options.offset, options.data_path)
+    n_shots = options.shots if options.shots is not None else DEFAULT_SHOTS.get(options.dataset, 0)
+    shots: list[Problem] = []
+    if n_shots:
+        pool = load_dataset(options.dataset, path=options.data_path)
+        chosen_ids = {p.id for p in problems}
+        shots = [p for p in reversed(pool) if p.id not in chosen_ids][:n_shots]  # from the far end, never overlapping
+    if members is None:
+        member_options: list[dict[str, Any]] = []
+        for i in range(len(options.members)):
+            opts: dict[str, Any] = {"dtype": options.dtype}
+            if options.devices:
+                opts["device"] = options.devices[i if len(options.devices) > 1 else 0]
+            member_options.append(opts)
+        members = [resolve_members([name], **opts)[0] for name, opts in zip(options.members, member_options)]
+    rows = build_rows(members, options)
+    active = [r for r in rows if r.runner is not None]
+    skipped = {r.label: r.skipped for r in rows if r.skipped}
+    for label, why in skipped.items():
+        print(f"skipping {label}: {why}", file=sys.stderr)
+
+    results_path = out / RESULTS_FILE
+    previous = _load_records(results_path) if options.resume else []
+    done = {(r["method"], r["question_id"]) for r in previous if "error" not in r}
+    if options.warmup:
+        _warm_up(active)
+    mode = "a" if options.resume else "w"
+    bar = tqdm(total=len(problems) * len(active), disable=not options.progress, desc="bench", unit="run")
+    with results_path.open(mode, encoding="utf-8") as fh:
+        for problem in problems:
+            prompt = cot_prompt(problem.question, shots)
+            for row in active:
+                bar.set_postfix_str(f"{problem.id} {row.label}", refresh=False)
+                if (row.label, problem.id) in done:
+                    bar.update(1)
+                    continue
+                try:
+                    record = make_record(row, problem, row.runner.run(prompt, options.max_new_tokens))
+                except Exception as exc:  # noqa: BLE001 - recorded, counted and shown in the summary
+                    record = error_record(row, problem, exc)
+                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+                fh.flush()
+                bar.update(1)
+    bar.close()
+
+    qids = {p.id for p in problems}
+    labels = [r.label for r in active]
+    records = [r for r in _load_records(results_path) if r["question_id"] in qids and r["method"] in labels]
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in records:  # with --resume a retried question replaces its earlier error record
+        latest[(r["method"], r["question_id"])] = r
+    records = list(latest.values())
+    methods = summarize_rows(rows, records)
+    micro = None
+    if options.microbench and ("specem" in options.methods):
+        micro = verify_microbench(members, reps=options.microbench_reps)
+    summary = {
+        "meta": {"dataset": options.dataset, "questions": len(problems), "offset": options.offset,
+                 "members": [m.name for m in members], "max_new_tokens": options.max_new_tokens, "shots": n_shots,
+                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                 "command": options.command or "run_bench(...)", "hardware": hardware(),
+                 "options": jsonable(dataclasses.asdict(options))},
+        "methods": methods, "skipped": skipped, "microbench": micro,
+        "targets": evaluate_targets(methods, skipped, micro),
+    }
+    if options.plots:
+        summary["plots"] = write_plots(out, labels, records)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False), encoding="utf-8")
+    write_markdown(out / "summary.md", summary)
+    return summary

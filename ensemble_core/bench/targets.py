@@ -1,0 +1,135 @@
+"""The issues' targets as data (``targets.json``), evaluated against a benchmark summary.
+
+A target names a value, a comparison and a threshold; the value is computed from the
+summary's rows by a tiny declarative spec (see ``targets.json``: a ratio of two rows'
+metrics, the largest metric over rows, or a microbenchmark figure). New targets (a third
+member, batching, ...) are new entries in the file, not new code. A target that cannot be
+evaluated says why (a skipped method's reason, or which row is missing).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .records import fast_slow
+
+TARGETS_FILE = Path(__file__).with_name("targets.json")
+
+Summary = dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: ``value op threshold`` (``op`` is ``"<="`` or ``">="``)."""
+
+    id: str
+    text: str
+    value: dict[str, Any]
+    op: str
+    threshold: float
+    issue: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.op not in ("<=", ">="):
+            raise ValueError(f"target {self.id}: op must be '<=' or '>=', got {self.op!r}")
+        if not ({"ratio", "max", "micro"} & set(self.value)):
+            raise ValueError(f"target {self.id}: value needs 'ratio', 'max' or 'micro'")
+
+
+def load_targets(path: Path | str = TARGETS_FILE) -> list[Target]:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    known = {"id", "text", "value", "op", "threshold", "issue"}
+    return [Target(**{k: v for k, v in t.items() if k in known}, extra={k: v for k, v in t.items() if k not in known})
+            for t in data["targets"]]
+
+
+def select(summary: Summary, selector: str) -> list[tuple[str, dict[str, Any]]]:
+    """The rows a selector names (see the module docstring), as ``(label, row)`` pairs."""
+    kind, _, which = selector.partition(":")
+    if not which:
+        return [(selector, summary[selector])] if selector in summary else []
+    rows = [(k, v) for k, v in summary.items() if v["kind"] == kind]
+    if which == "*":
+        return rows
+    fast, slow = fast_slow(summary)
+    if which in ("fast", "slow"):
+        ref = fast if which == "fast" else slow
+        if ref is None or (fast is slow and which == "slow"):
+            return []
+        which = ref["member"]
+    if kind == "single":
+        return [(k, v) for k, v in rows if v["member"] == which]
+    if kind == "safe":
+        return [(k, v) for k, v in rows if v["drafter"] == which]
+    exact = [(k, v) for k, v in rows if k == f"{kind}[{which}]"]
+    return exact or rows[:1]
+
+
+def _missing(selectors: list[str], summary: Summary, skipped: dict[str, str]) -> str:
+    """Why a target has no value: a skipped method's reason, or the row it needs."""
+    for sel in selectors:
+        kind = sel.partition(":")[0]
+        reason = next((why for label, why in skipped.items() if label == kind or label.startswith(kind)), None)
+        if reason and not select(summary, sel):
+            return reason
+    if any(sel.startswith("single:") and sel.split(":")[1] in ("fast", "slow") for sel in selectors):
+        return ("needs single rows of two members with output text (time per character is undefined for "
+                "empty answers)")
+    return "needs rows: " + ", ".join(s for s in selectors if not select(summary, s))
+
+
+def _fmt_x(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}x"
+
+
+def compute(target: Target, summary: Summary, skipped: dict[str, str],
+            micro: dict[str, Any] | None) -> tuple[float | None, str]:
+    """``(value, detail)`` of one target; the detail says why when the value is None."""
+    spec = target.value
+    if "micro" in spec:
+        if not micro or "skipped" in micro:
+            return None, (micro or {}).get("skipped", "microbenchmark not run")
+        return micro.get(spec["micro"]), micro.get("detail", "")
+    metric = spec["metric"]
+    if "max" in spec:
+        rows = [(k, v[metric]) for k, v in select(summary, spec["max"]) if v.get(metric) is not None]
+        if not rows:
+            return None, _missing([spec["max"]], summary, skipped)
+        return max(v for _, v in rows), ", ".join(f"{k}: {v:.1%}" if metric == "et" else f"{k}: {v:.3g}" for k, v in rows)
+    sel_a, sel_b = spec["ratio"]
+    a_rows, b_rows = select(summary, sel_a), select(summary, sel_b)
+    metric_b = spec.get("metric_b", metric)
+    b_values = [(k, v[metric_b]) for k, v in b_rows if v.get(metric_b)]
+    if not a_rows or not b_values or a_rows[0][1].get(metric) is None:
+        return None, _missing([sel_a, sel_b], summary, skipped)
+    a_label, a = a_rows[0]
+    b_label, b_value = max(b_values, key=lambda kv: kv[1]) if spec.get("agg_b") == "max" else b_values[0]
+    value = a[metric] / b_value
+    detail = f"{a_label} / {b_label} ({metric}" + (f" / {metric_b})" if metric_b != metric else ")")
+    if spec.get("per_question"):
+        pq = spec["per_question"]
+        b_row = summary[b_label]
+        detail += f"; per question: {_fmt_x(a[pq] / b_row[pq] if a.get(pq) and b_row.get(pq) else None)}"
+    if spec.get("agg_b") == "max" and len(b_values) > 1:
+        detail += f"; vs the smallest {metric_b}: {_fmt_x(a[metric] / min(v for _, v in b_values))}"
+    return value, detail
+
+
+def evaluate_targets(summary: Summary, skipped: dict[str, str], micro: dict[str, Any] | None,
+                     targets: list[Target] | None = None) -> list[dict[str, Any]]:
+    """Every target met / missed / not evaluated (with why), in file order."""
+    out = []
+    for t in targets if targets is not None else load_targets():
+        value, detail = compute(t, summary, skipped, micro)
+        if value is None:
+            out.append({"id": t.id, "issue": t.issue, "target": t.text, "value": None, "threshold": t.threshold,
+                        "status": "not evaluated", "detail": detail or "no data"})
+            continue
+        met = value <= t.threshold if t.op == "<=" else value >= t.threshold
+        out.append({"id": t.id, "issue": t.issue, "target": t.text, "value": round(value, 4),
+                    "threshold": t.threshold, "status": "met" if met else "missed", "detail": detail})
+    return out
