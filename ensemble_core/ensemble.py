@@ -61,14 +61,17 @@ def resolve_member(item: MemberLike, **options: Any) -> Member:
     )
 
 
-def resolve_members(items: Sequence[MemberLike] | None, **options: Any) -> list[Member]:
+def resolve_members(items: Sequence[MemberLike] | None, need: int = 1, **options: Any) -> list[Member]:
+    """Every member of ``items`` (None: the bundled pair); fewer than ``need`` raises :class:`NoMembersError`."""
     if items is None:
         items = DEFAULT_MEMBERS
     if isinstance(items, (str, Member, MemberSpec)):
         items = [items]
+    if not isinstance(items, (list, tuple)):
+        raise ConfigurationError(f"members must be a list, got {type(items).__name__}: pass members=[...].")
     items = list(items)
-    if not items:
-        raise NoMembersError(0, 1)
+    if len(items) < need:
+        raise NoMembersError(len(items), need)
     return [resolve_member(item, **options) for item in items]
 
 
@@ -83,7 +86,7 @@ class Ensemble:
     def __init__(self, members: Sequence[MemberLike] | None = None, method: str = "safe",
                  member_options: dict[str, Any] | None = None, **config: Any) -> None:
         cls = method_class(method)
-        self.members = resolve_members(members, **(member_options or {}))
+        self.members = resolve_members(members, need=cls.min_members, **(member_options or {}))
         if len(self.members) < cls.min_members:
             raise NoMembersError(len(self.members), cls.min_members)
         self.method_name = method

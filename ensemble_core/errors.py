@@ -61,12 +61,14 @@ class ModelLoadError(EnsembleError, RuntimeError):
 class UnknownAliasError(ModelLoadError, KeyError):
     """A member was named by something that is neither an alias, a path nor a usable id."""
 
-    def __init__(self, name: str, known: list[str]) -> None:
-        self.name = name
+    def __init__(self, name: str, known: list[str], suggestion: str | None = None, reason: str | None = None) -> None:
+        self.name, self.suggestion = name, suggestion
+        hint = f"Did you mean {suggestion!r}? " if suggestion else ""
+        why = reason or ("not a Hugging Face model id available offline or reachable now")
         super().__init__(
             f"Unknown member {name!r}: it is not a built-in alias ({', '.join(sorted(known))}), "
-            "not an existing local directory or .gguf file, and not a Hugging Face model id "
-            "available offline. Fix the spelling, pass a path, or download the model first."
+            f"not an existing local directory or .gguf file, and {why}. {hint}Fix the spelling, pass a path, "
+            "or download the model first (then HF_HUB_OFFLINE=1 loads it from the local cache)."
         )
 
     def __str__(self) -> str:  # KeyError would otherwise quote the message
@@ -134,3 +136,33 @@ class GenerationTimeout(GenerationCancelled, TimeoutError):
             f"({len(text_so_far)} characters were generated). Raise `timeout`, lower `max_tokens`, "
             "or use fewer / smaller members."
         )
+
+
+class ConstraintError(InputError):
+    """A constrained-decoding request (JSON Schema, tool call) cannot be honoured as given."""
+
+
+class InvalidSchemaError(ConstraintError):
+    """A JSON Schema is malformed or uses a keyword the grammar engine cannot enforce."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        self.problem, self.fix = problem, fix
+        super().__init__(f"Invalid JSON Schema for constrained output: {problem}. {fix}")
+
+
+class UnknownToolError(ConstraintError, KeyError):
+    """A tool choice names a tool that is not among the tools passed."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name, self.known = name, list(known)
+        super().__init__(
+            f"tool_choice names {name!r}, which is not one of the tools passed ({', '.join(known)}). "
+            "Fix the name, add that tool, or pass 'required' to allow any of them."
+        )
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return str(self.args[0])
+
+
+class UnsupportedTokenizerError(ConfigurationError):
+    """A member's tokenizer cannot be used for constrained decoding."""

@@ -8,8 +8,11 @@ through text (see :mod:`ensemble_core.alignment`).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
+import re
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -80,7 +83,12 @@ def _resolve_dtype(dtype: Any, device: str | None) -> torch.dtype:
 
 
 def _resolve_source(source: str) -> tuple[Path | str, str | None, str | None]:
-    """Return ``(path_or_id, gguf_file, alias)`` for a member source."""
+    """Return ``(path_or_id, gguf_file, alias)`` for a member source.
+
+    A name that is neither an alias nor an existing path must look like a Hugging Face
+    model id; a near-miss of an alias (``"smollm2-135m-instuct"``) fails at once with a
+    suggestion instead of asking the hub.
+    """
     if source in BUNDLED:
         gguf_path = BUNDLED[source].locate()
         return convert_gguf(gguf_path), None, source
@@ -89,7 +97,45 @@ def _resolve_source(source: str) -> tuple[Path | str, str | None, str | None]:
         return convert_gguf(path), None, None
     if path.is_dir():
         return path, None, None
+    suggestion = closest_alias(source)
+    if not HUB_ID.fullmatch(source) or source.endswith(".gguf"):
+        raise UnknownAliasError(source, list(BUNDLED), suggestion, "not a valid Hugging Face model id either")
+    if suggestion and "/" not in source:
+        raise UnknownAliasError(source, list(BUNDLED), suggestion, "too close to a built-in alias to be a hub id")
     return source, None, None
+
+
+#: What a Hugging Face model id looks like: ``name`` or ``owner/name`` of letters, digits, ``-_.``.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+#: How long the hub may take to answer a connection before a look-up is treated as offline.
+HUB_CONNECT_TIMEOUT_S = 3.0
+
+
+def closest_alias(name: str) -> str | None:
+    """The built-in alias a mistyped name most likely means (None when nothing is close)."""
+    matches = difflib.get_close_matches(name.lower(), list(BUNDLED), n=1, cutoff=0.75)
+    return matches[0] if matches else None
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """Whether the Hugging Face endpoint accepts a TCP connection within :data:`HUB_CONNECT_TIMEOUT_S`.
+
+    Asked once per process before the first hub look-up: on a machine without network the
+    hub client would otherwise retry for most of a minute before failing.
+    """
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname or "", url.port or 443), timeout=HUB_CONNECT_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
 
 
 _LOADED: dict[tuple, tuple[Any, Any]] = {}
@@ -103,7 +149,7 @@ def _load_objects(spec: MemberSpec) -> tuple[Any, Any]:
     target, gguf_file, alias = _resolve_source(str(spec.source))
     dtype = _resolve_dtype(spec.dtype, spec.device)
     local = isinstance(target, Path)
-    offline = local or os.environ.get("HF_HUB_OFFLINE") == "1"
+    offline = local or os.environ.get("HF_HUB_OFFLINE") == "1" or not hub_reachable()
     kwargs: dict[str, Any] = {"local_files_only": offline, "trust_remote_code": spec.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
@@ -119,7 +165,9 @@ def _load_objects(spec: MemberSpec) -> tuple[Any, Any]:
         raise ModelLoadError(f"Loading {spec.source!r} failed: {exc}") from exc
     except OSError as exc:
         if not local and alias is None:
-            raise UnknownAliasError(str(spec.source), list(BUNDLED)) from exc
+            why = None if os.environ.get("HF_HUB_OFFLINE") == "1" or hub_reachable() else (
+                "the Hugging Face hub cannot be reached from here and the id is not in the local cache")
+            raise UnknownAliasError(str(spec.source), list(BUNDLED), closest_alias(str(spec.source)), why) from exc
         raise ModelLoadError(f"Loading {spec.source!r} from {target} failed: {exc}") from exc
     if spec.device_map is None:
         model.to(spec.device or "cpu")
