@@ -22,6 +22,7 @@ from .distributions import (
     Distribution,
     EndOfText,
     check_fusion_options,
+    grammar_allows,
     make_distribution,
     sharpen,
 )
@@ -66,13 +67,18 @@ class SingleModel(EnsembleMethod[GenerationConfig]):
                               IncrementalDecoder(member.tokenizer))
 
     def step(self, request: _SingleRequest) -> Chunk:
-        state = request.views[0].state
-        member = state.member
-        probs = torch.softmax(state.score()[-1], dim=-1)
+        view = request.views[0]
+        state, member = view.state, view.member
+        row = state.score()[-1]
+        if view.constraint is not None:  # a forced tool call / a schema: only tokens that keep the output valid
+            row = view.constraint.mask_logits(row)
+        probs = torch.softmax(row, dim=-1)
         token = choose_token(probs, request.config, request.generator)
         request.rounds += 1
         if token in member.eos_token_ids:
             return Chunk("", done=True, finish_reason="eos")
+        if view.constraint is not None:
+            view.constraint.accept_token(token)
         state.extend([token])
         delta = request.decoder.push([token])  # a token ending inside a character adds nothing yet
         if len(state.response_ids) >= request.config.max_new_tokens:
@@ -225,14 +231,23 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         for view, (keep, tokens) in zip(request.views, encoded):
             state = view.state
             state.crop(state.prompt_len + keep)  # also when nothing changed: trims sliding layers as before
-            probs.append(torch.softmax(state.score(tokens.ids[keep:])[-1].float(), dim=-1))
+            row = state.score(tokens.ids[keep:])[-1]
+            if view.constraint is not None:  # each member under its own token mask
+                row = view.constraint.mask_logits(row)
+            probs.append(torch.softmax(row.float(), dim=-1))
             view.tokens = tokens
         prefixes = [view.lead.encode("utf-8") if at_start else b"" for view in request.views]
         candidates = request.fusion.fuse(probs, drafter=0, prefixes=prefixes)
+        grammar = request.views[0].constraint
+        if grammar is not None:  # and only fused strings the grammar accepts
+            candidates = candidates.subset([grammar_allows(grammar, "", k) for k in candidates.keys]) or candidates
         key = candidates.keys[choose_token(sharpen(candidates, config.sharpening), config, request.generator)]
         if isinstance(key, EndOfText):
             return Chunk("", done=True, finish_reason="eos")
         piece = key.decode("utf-8")
+        for view in request.views:
+            if view.constraint is not None:
+                view.constraint.accept_text(piece)
         request.text += piece
         request.ensembled += 1
         return Chunk(piece)

@@ -226,6 +226,24 @@ class Candidates:
         key = self.keys[index]
         return None if isinstance(key, EndOfText) else key.decode("utf-8")
 
+    def subset(self, keep: Sequence[bool]) -> Candidates | None:
+        """Only the candidates where ``keep`` is true (None if none is): a grammar's choice."""
+        idx = [i for i, k in enumerate(keep) if k]
+        if not idx:
+            return None
+        at = torch.tensor(idx, dtype=torch.long)
+        return Candidates(tuple(self.keys[i] for i in idx), self.member_probs[:, at], self.fused[at], self.drafter_top[at])
+
+
+def grammar_allows(grammar: Any, prefix: str, key: Key) -> bool:
+    """Whether ``grammar`` (a ``constraints.ConstraintState`` at the committed text) accepts ``prefix`` then ``key``."""
+    if isinstance(key, EndOfText):
+        return grammar.accepts_text(prefix, end=True)
+    try:
+        return grammar.accepts_text(prefix + key.decode("utf-8"))
+    except UnicodeDecodeError:
+        return False
+
 
 class Distribution(ABC):
     """A fusion rule over the members' next-token distributions (one subclass per rule).

@@ -25,6 +25,7 @@ from .chat import Prompt
 from .errors import ConfigurationError, InvalidOptionError, NoMembersError
 from .members import Member
 from .stats import RequestStats
+from .structured import StructuredOutput, StructuredRequest, ToolCall, parse_output, structured_request
 
 FINISH_REASONS = ("stop", "length", "eos", "cancelled")
 
@@ -54,6 +55,10 @@ class GenerationConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    #: OpenAI-style tool specs, the tool choice and a response format (see :mod:`ensemble_core.structured`).
+    tools: tuple[dict[str, Any], ...] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +81,15 @@ class GenerationConfig:
             raise InvalidOptionError("top_p", self.top_p, "a number in (0, 1]")
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidOptionError("seed", self.seed, "an integer or None")
+        request = structured_request(self.tools, self.tool_choice, self.response_format)
+        if self.tools is not None:
+            object.__setattr__(self, "tools", tuple(self.tools))
+        object.__setattr__(self, "_structured", request)
+
+    @property
+    def structured(self) -> StructuredRequest:
+        """The request's tools / tool choice / response format, validated (:mod:`ensemble_core.structured`)."""
+        return self._structured  # type: ignore[attr-defined]
 
     def replace(self, **overrides: Any) -> GenerationConfig:
         """A copy with ``overrides`` applied (and validated); unknown names raise."""
@@ -108,10 +122,22 @@ class GenerationResult:
     seconds: float
     time_to_first_chunk: float | None
     stats: dict[str, Any] = field(default_factory=dict)
+    #: The reply read as tool calls / a JSON value, for requests with tools or a response format.
+    structured: StructuredOutput | None = None
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The parsed tool calls (empty without tools, or when the ensemble answered in text)."""
+        return self.structured.tool_calls if self.structured else []
+
+    @property
+    def parsed(self) -> Any:
+        """The reply as a JSON value, for a request with a response format (None if it did not parse)."""
+        return self.structured.parsed if self.structured else None
 
 
 def make_generator(config: GenerationConfig, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -301,4 +327,5 @@ class GenerationStream:
             seconds=time.perf_counter() - t0,
             time_to_first_chunk=first,
             stats=method.stats(request).as_dict(),
+            structured=parse_output(text, config.structured) if config.structured.active else None,
         )

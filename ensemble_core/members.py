@@ -25,7 +25,7 @@ import torch
 from . import alignment
 from .bundled import BUNDLED, convert_gguf
 from .cache import can_crop_exactly, crop, new_cache
-from .chat import FALLBACK_STOPS, Prompt, normalize_messages, render_chat, reply_lead
+from .chat import FALLBACK_STOPS, Prompt, normalize_messages, render_chat, reply_lead, template_supports_tools
 from .errors import (
     InputError,
     InvalidOptionError,
@@ -34,6 +34,7 @@ from .errors import (
     PromptTooLongError,
     UnknownAliasError,
 )
+from .structured import StructuredRequest, with_instructions
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -256,13 +257,25 @@ class Member:
         return f"Member({self.name!r}, device={self.device}, vocab={self.vocab_size})"
 
     # ---------------------------------------------------------------- text ↔ ids
-    def render(self, prompt: Prompt) -> str:
-        """The prompt as this member's own chat-formatted text, ending in the generation prompt."""
-        return render_chat(self.tokenizer, normalize_messages(prompt), self.chat_template)
+    @property
+    def native_tools(self) -> bool:
+        """Whether this member's chat template renders tools itself (else they go into the system prompt)."""
+        return template_supports_tools(self.chat_template or getattr(self.tokenizer, "chat_template", None))
 
-    def response_lead(self, prompt: Prompt) -> str:
+    def messages(self, prompt: Prompt, structured: StructuredRequest | None = None) -> list[dict[str, Any]]:
+        """The normalised conversation as this member sees it (with tool / schema instructions)."""
+        messages = normalize_messages(prompt)
+        return with_instructions(messages, structured, self.native_tools) if structured and structured.active else messages
+
+    def render(self, prompt: Prompt, structured: StructuredRequest | None = None) -> str:
+        """The prompt as this member's own chat-formatted text, ending in the generation prompt."""
+        tools = list(structured.tools) if structured and structured.tools and structured.choice != "none" else None
+        return render_chat(self.tokenizer, self.messages(prompt, structured), self.chat_template,
+                           tools=[{"type": "function", "function": t} for t in tools] if tools else None)
+
+    def response_lead(self, prompt: Prompt, structured: StructuredRequest | None = None) -> str:
         """Whitespace this member's chat format puts before a reply (see :func:`chat.reply_lead`)."""
-        return reply_lead(self.tokenizer, normalize_messages(prompt), self.chat_template)
+        return reply_lead(self.tokenizer, self.messages(prompt, structured), self.chat_template)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a rendered prompt; BOS is added once, where the tokenizer wants it."""
@@ -280,9 +293,9 @@ class Member:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ---------------------------------------------------------------- decoding
-    def start(self, prompt: Prompt, max_new_tokens: int = 0) -> DecodeState:
+    def start(self, prompt: Prompt, max_new_tokens: int = 0, structured: StructuredRequest | None = None) -> DecodeState:
         """A fresh decoding state for ``prompt`` (nothing is computed until :meth:`DecodeState.score`)."""
-        ids = self.encode_prompt(self.render(prompt))
+        ids = self.encode_prompt(self.render(prompt, structured))
         if len(ids) + max_new_tokens > self.context_window:
             raise PromptTooLongError(self.name, len(ids), max_new_tokens, self.context_window)
         return DecodeState(self, ids)

@@ -60,7 +60,15 @@ import torch
 
 from .alignment import DECODE_CONTEXT, DEFAULT_MARGIN, PARTIAL_CHAR_TOKENS, REPLACEMENT_CHAR, Tokenized, decode_suffix
 from .chat import Prompt
-from .distributions import Distribution, EndOfText, check_fusion_options, make_distribution, member_table, sharpen
+from .distributions import (
+    Distribution,
+    EndOfText,
+    check_fusion_options,
+    grammar_allows,
+    make_distribution,
+    member_table,
+    sharpen,
+)
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
 from .members import Member
@@ -147,6 +155,7 @@ class _Draft:
     bounds: list[int | None]
     complete: int
     budget_cut: bool
+    mark: Any = None  # the drafter's grammar position before the draft (constrained requests)
 
     @property
     def shared_text(self) -> str:
@@ -234,6 +243,10 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         if finish == "length":
             self._truncate(request, len(before))
         delta = request.text[len(before):]
+        grammar = request.views[request.drafter].constraint
+        if grammar is not None:  # the grammar follows the committed text, not the draft
+            grammar.restore(draft.mark)
+            grammar.accept_text(delta)
         return Chunk(delta, done=finish is not None, finish_reason=finish)
 
     # ------------------------------------------------------------------ 1. draft
@@ -246,12 +259,16 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         context = state.ids[max(0, base - DECODE_CONTEXT):base]
         ids: list[int] = []
         probs: list[torch.Tensor] = []
+        grammar = view.constraint  # a constrained request: the drafter drafts under its own token mask
+        mark = grammar.checkpoint() if grammar is not None else None
         row = state.score()[-1]
         while True:
-            p = torch.softmax(row.float(), dim=-1)
+            p = torch.softmax((grammar.mask_logits(row) if grammar is not None else row).float(), dim=-1)
             token = choose_token(p, config, request.generator)
             ids.append(token)
             probs.append(p)
+            if grammar is not None:
+                grammar.accept_token(token)
             if token in member.eos_token_ids or len(ids) >= budget:
                 break
             if len(ids) >= limit and (len(ids) >= limit + PARTIAL_CHAR_TOKENS or not decode_suffix(
@@ -284,7 +301,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         kept = pieces[complete - 1] if complete else ""
         request.counters.drafted += len(ids)
         return _Draft(ids, probs, eos, kept or "", shift, bounds, complete,
-                      budget_cut=len(ids) >= budget and not eos)
+                      budget_cut=len(ids) >= budget and not eos, mark=mark)
 
     # ------------------------------------------------------------------ 2. verify
     def _verify(self, request: SafeRequest, draft: _Draft) -> list[_Window]:
@@ -400,6 +417,15 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         for w in windows:
             probs[w.index] = w.probs[w.tokens.tokens_before(request.views[w.index].offset(offset)) - w.first]
         candidates = request.fusion.fuse(probs, drafter=request.drafter, prefixes=prefixes)  # type: ignore[arg-type]
+        grammar = request.views[request.drafter].constraint
+        if grammar is not None:  # only candidates every member's grammar accepts (it is one grammar over text)
+            grammar.restore(draft.mark)
+            prefix = draft.shared_text[: draft.bounds[point] or 0]
+            allowed = candidates.subset([grammar_allows(grammar, prefix, k) for k in candidates.keys])
+            if allowed is None:  # none of the fused candidates: the drafter's own (masked, so valid) token
+                return (EndOfText() if draft.eos and point == len(draft.ids) - 1
+                        else member_table(request.views[request.drafter].member).keys[draft.ids[point]]), prefixes
+            candidates = allowed
         scores = sharpen(candidates, request.config.sharpening)
         return candidates.keys[choose_token(scores, request.config, request.generator)], prefixes
 

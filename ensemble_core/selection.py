@@ -227,13 +227,19 @@ def draft(view: MemberView, index: int, length: int, config: GenerationConfig, s
     ids: list[int] = []
     end: str | None = None
     text = ""
+    grammar = view.constraint  # a constrained request: draft under this member's own token mask
+    mark = grammar.checkpoint() if grammar is not None else None
     with cache_branch(state):
         while True:
+            if grammar is not None:
+                row = grammar.mask_logits(row)
             probs = torch.softmax(row, dim=-1) if config.do_sample else row
             token = choose_token(probs, config, view.generator)
             if token in member.eos_token_ids:
                 end = "eos"
                 break
+            if grammar is not None:
+                grammar.accept_token(token)
             ids.append(token)
             if stops or len(ids) >= length:
                 text = decode_suffix(member.tokenizer, state.ids, ids)
@@ -245,6 +251,8 @@ def draft(view: MemberView, index: int, length: int, config: GenerationConfig, s
             if len(ids) >= length and not (text.endswith(REPLACEMENT_CHAR) and len(ids) < length + PARTIAL_CHAR_TOKENS):
                 break
             row = branch_step(state, token)
+    if grammar is not None:
+        grammar.restore(mark)  # the grammar follows the committed text, not this draft
     if end != "stop":
         text = decode_suffix(member.tokenizer, state.ids, ids) if ids else ""
     if not shared:

@@ -228,6 +228,9 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
         views[0].commit(keep, tokens)
         for view in views[1:]:
             view.commit(*view.appended(shared, text))
+        for view in views:
+            if view.constraint is not None:
+                view.constraint.accept_text(text)
         request.text = shared + text
         return Chunk(text)
 

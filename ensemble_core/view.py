@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from .alignment import DEFAULT_MARGIN, EMPTY, Tokenized, encode_continuation
 from .chat import Prompt
 from .generation import GenerationConfig, make_generator
 from .members import DecodeState, Member
+from .structured import request_constraint
 
 
 @dataclass
@@ -39,6 +41,8 @@ class MemberView:
     lead: str = ""
     tokens: Tokenized = EMPTY
     generator: torch.Generator | None = None
+    #: The member's grammar position (``constraints.ConstraintState``) when the request is constrained.
+    constraint: Any = None
 
     @property
     def tokenizer(self) -> object:
@@ -92,13 +96,25 @@ def start_views(members: Sequence[Member], prompt: Prompt, config: GenerationCon
     """A fresh view per member (raises ``PromptTooLongError`` like :meth:`Member.start`).
 
     With ``seeded`` each member gets its own sampling generator, seeded ``seed + i``, so
-    that members drafting in parallel threads draw reproducibly.
+    that members drafting in parallel threads draw reproducibly. A request with tools or a
+    response format renders them into each member's prompt; a constrained one (a forced
+    tool call, a schema) gives each member its grammar position, compiled for its tokenizer.
     """
+    structured = config.structured if config.structured.active else None
+    constraint = request_constraint(structured) if structured else None
     views = []
     for i, m in enumerate(members):
         generator = None
         if seeded:
             own = config.replace(seed=config.seed + i) if config.do_sample and config.seed is not None else config
             generator = make_generator(own)
-        views.append(MemberView(m, m.start(prompt, config.max_new_tokens), m.response_lead(prompt), EMPTY, generator))
+        state = m.start(prompt, config.max_new_tokens, structured)
+        grammar = compile_for_member(constraint, m).start() if constraint is not None else None
+        views.append(MemberView(m, state, m.response_lead(prompt, structured), EMPTY, generator, grammar))
     return views
+
+
+def compile_for_member(constraint: Any, member: Member) -> Any:
+    from .constraints import compile_for_member as compile_
+
+    return compile_(constraint, member)

@@ -2,8 +2,9 @@
 
 * ``smollm2`` / ``gemma3`` / ``real_pair``: the bundled real models (session-scoped; loaded
   once per test process through the member cache). Tests using them carry the ``real`` mark.
-* ``tiny_llama`` / ``tiny_gemma``: random-weight members built from transformers configs with
-  the *real* tokenizers, for fast tests of everything that does not need real weights.
+* ``qwen``: the third bundled real model, Qwen2.5-Coder-0.5B-Instruct (not a default member).
+* ``tiny_llama`` / ``tiny_gemma`` / ``tiny_qwen``: random-weight members built from transformers
+  configs with the *real* tokenizers, for fast tests of everything that does not need real weights.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def gemma3() -> Member:
 
 
 @pytest.fixture(scope="session")
+def qwen() -> Member:
+    return Member.load("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture(scope="session")
 def real_pair(smollm2: Member, gemma3: Member) -> list[Member]:
     return [smollm2, gemma3]
 
@@ -46,6 +52,11 @@ def tiny_llama() -> Member:
 @pytest.fixture(scope="session")
 def tiny_gemma() -> Member:
     return tiny_member("gemma3-270m", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen() -> Member:
+    return tiny_member("qwen2.5-coder-0.5b-instruct", seed=0)
 
 
 @pytest.fixture(autouse=True)

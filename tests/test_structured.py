@@ -1,0 +1,100 @@
+"""Tool calls and structured output in the core: request validation, prompts, parsing, and
+constrained decoding through every method (tiny random-weight members: even random weights
+must produce output that parses when a call is forced or a schema is requested)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ensemble_core import Ensemble, InvalidOptionError, Member
+from ensemble_core.errors import InvalidSchemaError, UnknownToolError
+from ensemble_core.structured import StructuredRequest, parse_output, structured_request, with_instructions
+from ensemble_core.testing import tiny_member
+
+TOOLS = [{"type": "function", "function": {
+    "name": "multiply", "description": "Multiply two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+                   "required": ["a", "b"]}}},
+    {"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                                       "required": ["city"]}}]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                           "unit": {"enum": ["C", "F"]}, "ok": {"type": "boolean"}},
+          "required": ["city", "unit", "ok"], "additionalProperties": False}
+METHODS = ["single", "safe", "every-token", "specem", "generate-then-select"]
+
+
+@pytest.fixture(scope="module")
+def pair() -> list[Member]:
+    return [tiny_member("smollm2-135m-instruct", seed=3, name="st-smollm2"), tiny_member("gemma3-270m", seed=3,
+                                                                                         name="st-gemma")]
+
+
+def test_requests_are_validated_with_typed_errors() -> None:
+    r = structured_request(TOOLS, "any", None)
+    assert r.choice == "required" and [t["name"] for t in r.tools] == ["multiply", "weather"] and r.forced_call
+    assert structured_request(TOOLS, {"type": "function", "function": {"name": "weather"}}).choice == "weather"
+    assert structured_request(None, None, {"type": "json_object"}).schema == {}
+    assert structured_request(None, None, {"type": "json_schema", "json_schema": {"schema": SCHEMA}}).schema == SCHEMA
+    assert not structured_request().active
+    with pytest.raises(UnknownToolError, match="lookup"):
+        structured_request(TOOLS, "lookup")
+    with pytest.raises(InvalidOptionError, match="response_format"):
+        structured_request(None, None, {"type": "yaml"})
+    with pytest.raises(InvalidOptionError, match="response_format"):
+        structured_request(None, None, "json")
+    with pytest.raises(InvalidOptionError, match="tool_choice"):
+        structured_request(None, "required")
+
+
+def test_a_schema_the_grammar_cannot_compile_is_refused_before_decoding(pair: list[Member]) -> None:
+    ens = Ensemble(pair, method="safe", max_new_tokens=8)
+    with pytest.raises(InvalidSchemaError):
+        ens.generate("hi", response_format={"type": "object", "not": {"required": ["a"]}})
+
+
+def test_members_without_tool_templates_get_the_instructions() -> None:
+    request = structured_request(TOOLS, "required")
+    messages = with_instructions([{"role": "user", "content": "6*7?"}], request, native_tools=False)
+    assert messages[0]["role"] == "system" and '"name": "multiply"' in messages[0]["content"]
+    assert "You must call one of the tools now." in messages[0]["content"]
+    assert with_instructions([{"role": "user", "content": "x"}], request, native_tools=True)[0]["role"] == "user"
+
+
+def test_parse_output_reads_calls_text_and_values() -> None:
+    auto = structured_request(TOOLS)
+    out = parse_output('{"name": "multiply", "arguments": {"a": 6, "b": 7}}', auto)
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("multiply", {"a": 6, "b": 7})] and out.content == ""
+    assert out.tool_calls[0].id.startswith("call_")
+    tagged = parse_output('Sure.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>', auto)
+    assert tagged.tool_calls[0].name == "weather" and tagged.content == "Sure."
+    assert parse_output("The answer is 42.", auto).tool_calls == []
+    broken = parse_output('{"name": "multiply", "arguments": {"a": 6,', auto)
+    assert broken.tool_calls == [] and broken.invalid_tool_calls and "not valid JSON" in broken.invalid_tool_calls[0]["error"]
+    assert parse_output('{"city": "Oslo"}', StructuredRequest(schema=SCHEMA)).parsed == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_forced_calls_and_schemas_always_parse(pair: list[Member], method: str) -> None:
+    members = pair[:1] if method == "single" else pair
+    # Random weights write up to 20 whitespace characters between JSON tokens (the grammar's
+    # limit), so they need a larger budget than a real model would.
+    ens = Ensemble(members, method=method, max_new_tokens=200)
+    for prompt in ("Multiply 6 by 7.", "Wie ist das Wetter in Zürich?"):
+        called = ens.generate(prompt, tools=TOOLS, tool_choice="required")
+        assert called.finish_reason in ("eos", "stop"), called.text
+        assert len(called.tool_calls) == 1 and called.tool_calls[0].name in ("multiply", "weather"), called.text
+        named = ens.generate(prompt, tools=TOOLS, tool_choice="weather")
+        assert [c.name for c in named.tool_calls] == ["weather"], named.text
+        value = ens.generate(prompt, response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}})
+        assert value.parsed is not None and set(value.parsed) == {"city", "unit", "ok"}, value.text
+        assert value.parsed["unit"] in ("C", "F") and json.loads(value.text) == value.parsed
+
+
+def test_streaming_a_constrained_request_equals_generate(pair: list[Member]) -> None:
+    ens = Ensemble(pair, method="safe", max_new_tokens=200)
+    result = ens.generate("Weather?", tools=TOOLS, tool_choice="weather")
+    stream = ens.stream("Weather?", tools=TOOLS, tool_choice="weather")
+    assert "".join(stream) == result.text and stream.result.tool_calls[0].arguments == result.tool_calls[0].arguments
