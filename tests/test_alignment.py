@@ -1,4 +1,4 @@
-"""Alignment on the two real tokenizers over adversarial strings."""
+"""Alignment on the three bundled real tokenizers over adversarial strings."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ ADVERSARIAL = [
 ]
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
+@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct"])
 def tok(request: pytest.FixtureRequest):
     return bundled_tokenizer(request.param)
 
