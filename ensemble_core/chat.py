@@ -38,6 +38,8 @@ Message = Mapping[str, Any]
 Prompt = Union[str, Sequence[Message]]
 
 ROLES = ("system", "user", "assistant", "tool")
+#: Other names of those roles: OpenAI's ``developer`` messages are system messages to these models.
+ROLE_ALIASES = {"developer": "system"}
 #: Content parts that carry text.
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 #: Content parts that are dropped: earlier reasoning is not replayed, cache points are provider hints.
@@ -168,6 +170,7 @@ def normalize_messages(prompt: Prompt) -> list[dict[str, Any]]:
         if not isinstance(msg, Mapping) or "role" not in msg or ("content" not in msg and not calls_only):
             raise InputError(f"{where} is {msg!r}: each message must be a mapping with 'role' and 'content'.")
         role = msg["role"]
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
             raise InputError(f"{where} has role {role!r}; use one of {', '.join(ROLES)}.")
         if msg.get("content") is None and role != "assistant":

@@ -1,4 +1,4 @@
-"""The ``ensemble`` command: ``demo``, ``generate`` and ``bench``.
+"""The ``ensemble`` command: ``demo``, ``generate``, ``bench`` and ``serve``.
 
 * ``ensemble demo``: the bundled pair answers one arithmetic word problem, each member
   alone and then as a SAFE ensemble, with the ensemble's statistics and timings.
@@ -6,6 +6,7 @@
   ``--segment-length``, ``--distribution``, ``--drafter`` or generic ``--set key=value``),
   a prompt or a chat file, optionally streamed.
 * ``ensemble bench``: the benchmark harness (:mod:`ensemble_core.bench`).
+* ``ensemble serve``: an OpenAI-compatible HTTP server (:mod:`ensemble_core.server`, docs/serving.md).
 
 Only argparse: the command adds no dependency.
 """
@@ -26,6 +27,7 @@ from .datasets import DATASETS, cot_prompt
 from .ensemble import DEFAULT_MEMBERS, METHODS, Ensemble, method_class, resolve_members
 from .errors import ConfigurationError, EnsembleError, InputError, InvalidOptionError
 from .members import Member
+from .server.cli import add_serve_parser
 
 DEMO_QUESTION = "A farmer has 12 cows. He buys 7 more cows and then sells 4. How many cows does the farmer have now?"
 #: The base model of the bundled pair otherwise goes on to invent the next "Question:".
@@ -293,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; use 1 when other processes share the cores)")
     p.set_defaults(func=cmd_bench)
+    add_serve_parser(sub)  # ``ensemble serve``; FastAPI is imported only when it runs
     return parser
 
 
