@@ -65,3 +65,23 @@ def reference_last_row(member: Member, ids: list[int]) -> torch.Tensor:
     """Next-token logits after ``ids`` from one plain, cache-free forward pass (the reference)."""
     with torch.inference_mode():
         return member.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()
+
+
+def reference_greedy(member: Member, prompt_ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens from Hugging Face ``model.generate`` (the reference for incremental decoding)."""
+    ids = torch.tensor([prompt_ids])
+    out = member.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                pad_token_id=member.tokenizer.pad_token_id or 0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def greedy_decode(state: Any, n: int) -> list[int]:
+    """Up to ``n`` greedy tokens through a ``DecodeState`` (stops after the member's EOS)."""
+    row, out = state.score()[-1], []
+    for _ in range(n):
+        tok = int(row.argmax())
+        out.append(tok)
+        if tok in state.member.eos_token_ids:
+            break
+        row = state.score([tok])[-1]
+    return out

@@ -11,11 +11,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from ensemble_core import Member
 from ensemble_core.bundled import cache_dir
-from ensemble_core.members import DecodeState
+from ensemble_core.testing import greedy_decode, reference_greedy
 
 pytestmark = pytest.mark.real
 
@@ -25,24 +24,6 @@ PROMPTS = [
     "Écris une phrase sur le café. 東京 😀",
     "Write a Python function that returns the square of x.",
 ]
-
-
-def reference(member: Member, state: DecodeState, n: int) -> list[int]:
-    ids = torch.tensor([state.ids[: state.prompt_len]])
-    out = member.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                pad_token_id=member.tokenizer.pad_token_id or 0)
-    return out[0, ids.shape[1]:].tolist()
-
-
-def greedy(state: DecodeState, n: int, eos: frozenset[int]) -> list[int]:
-    row, out = state.score()[-1], []
-    for _ in range(n):
-        tok = int(row.argmax())
-        out.append(tok)
-        if tok in eos:
-            break
-        row = state.score([tok])[-1]
-    return out
 
 
 def test_loads_offline_from_conversion_cache(smollm2: Member, gemma3: Member) -> None:
@@ -63,15 +44,15 @@ def test_incremental_greedy_equals_generate(which: str, request: pytest.FixtureR
     member: Member = request.getfixturevalue(which)
     for prompt in PROMPTS[:3]:
         state = member.start(prompt)
-        want = reference(member, state, 16)
-        got = greedy(state, 16, member.eos_token_ids)
+        want = reference_greedy(member, state.ids[: state.prompt_len], 16)
+        got = greedy_decode(state, 16)
         assert got == want[: len(got)] and (len(got) == len(want) or got[-1] in member.eos_token_ids), prompt
         # Crop back k tokens and decode them again: the same tokens must come out.
         k = min(6, len(state.response_ids) - 1)
         if k > 0:
             keep = state.response_ids[:-k]
             state.crop(state.prompt_len + len(keep))
-            again = keep + greedy(state, len(got) - len(keep), member.eos_token_ids)
+            again = keep + greedy_decode(state, len(got) - len(keep))
             assert again == got, prompt
         assert state.stats.forward_passes > 0 and state.stats.reprefills == 0
 
@@ -81,10 +62,10 @@ def test_gemma_crop_past_sliding_window(gemma3: Member) -> None:
     text = " ".join(f"Item {i} costs {i * 3} dollars." for i in range(90))
     state = gemma3.start(text + "\nWhat does item 7 cost?")
     assert state.prompt_len > 600
-    want = reference(gemma3, state, 10)
-    got = greedy(state, 10, gemma3.eos_token_ids)
+    want = reference_greedy(gemma3, state.ids[: state.prompt_len], 10)
+    got = greedy_decode(state, 10)
     assert got == want[: len(got)]
     state.crop(len(state.ids) - 4)
-    again = state.response_ids + greedy(state, len(got) - len(state.response_ids), gemma3.eos_token_ids)
+    again = state.response_ids + greedy_decode(state, len(got) - len(state.response_ids))
     assert again == got
     assert state.stats.reprefills == 0  # the crop stayed within what past recording keeps

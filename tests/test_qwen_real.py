@@ -20,7 +20,7 @@ import torch
 from ensemble_core import Member, bundled
 from ensemble_core.bundled import QWEN_ALIAS, QWEN_INSTALL, QWEN_REINSTALL, assemble_parts, cache_dir, verify_file
 from ensemble_core.errors import MissingDependencyError, ModelLoadError
-from ensemble_core.members import DecodeState
+from ensemble_core.testing import greedy_decode, reference_greedy
 
 real = pytest.mark.real
 
@@ -34,24 +34,6 @@ NEW_TOKENS = 20
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-
-
-def reference(member: Member, state: DecodeState, n: int) -> list[int]:
-    ids = torch.tensor([state.ids[: state.prompt_len]])
-    out = member.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                pad_token_id=member.tokenizer.pad_token_id or 0)
-    return out[0, ids.shape[1]:].tolist()
-
-
-def greedy(state: DecodeState, n: int, eos: frozenset[int]) -> list[int]:
-    row, out = state.score()[-1], []
-    for _ in range(n):
-        tok = int(row.argmax())
-        out.append(tok)
-        if tok in eos:
-            break
-        row = state.score([tok])[-1]
-    return out
 
 
 # ---------------------------------------------------------------- the real model
@@ -96,15 +78,15 @@ def test_chat_template_accepts_tools(qwen: Member) -> None:
 def test_incremental_greedy_equals_generate(qwen: Member) -> None:
     for prompt in PROMPTS:
         state = qwen.start(prompt)
-        want = reference(qwen, state, NEW_TOKENS)
-        got = greedy(state, NEW_TOKENS, qwen.eos_token_ids)
+        want = reference_greedy(qwen, state.ids[: state.prompt_len], NEW_TOKENS)
+        got = greedy_decode(state, NEW_TOKENS)
         assert got == want[: len(got)] and (len(got) == len(want) or got[-1] in qwen.eos_token_ids), prompt
         # Crop back k tokens and decode them again: the same tokens must come out.
         k = min(6, len(state.response_ids) - 1)
         assert k > 0, prompt
         keep = state.response_ids[:-k]
         state.crop(state.prompt_len + len(keep))
-        again = keep + greedy(state, len(got) - len(keep), qwen.eos_token_ids)
+        again = keep + greedy_decode(state, len(got) - len(keep))
         assert again == got, prompt
         assert state.stats.forward_passes > 0 and state.stats.reprefills == 0
 
