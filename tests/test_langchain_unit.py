@@ -122,8 +122,8 @@ def test_standard_params_map_onto_core_overrides(pair) -> None:
     assert ChatEnsemble(members=pair, method="single")._generation_overrides({}, None) == {}  # None → method defaults
     run, ensemble, name = chat._prepare("hi", None, {"top_p": 0.5, "stream": True})
     assert run.overrides["top_p"] == 0.5 and run.timeout == 5 and name == chat.model_name
-    with pytest.raises(ConfigurationError, match="Unknown option.*tools"):
-        chat._prepare("hi", None, {"tools": []})
+    with pytest.raises(ConfigurationError, match="Unknown option.*tool_list"):
+        chat._prepare("hi", None, {"tool_list": []})
 
 
 def test_sampling_with_a_seed_is_reproducible(pair) -> None:
