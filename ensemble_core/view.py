@@ -20,6 +20,7 @@ import torch
 
 from .alignment import DEFAULT_MARGIN, EMPTY, Tokenized, encode_continuation
 from .chat import Prompt
+from .constraints import compile_for_member
 from .generation import GenerationConfig, make_generator
 from .members import DecodeState, Member
 from .structured import request_constraint
@@ -112,9 +113,3 @@ def start_views(members: Sequence[Member], prompt: Prompt, config: GenerationCon
         grammar = compile_for_member(constraint, m).start() if constraint is not None else None
         views.append(MemberView(m, state, m.response_lead(prompt, structured), EMPTY, generator, grammar))
     return views
-
-
-def compile_for_member(constraint: Any, member: Member) -> Any:
-    from .constraints import compile_for_member as compile_
-
-    return compile_(constraint, member)
