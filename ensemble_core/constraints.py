@@ -44,7 +44,7 @@ import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,9 @@ from .errors import (
     UnsupportedTokenizerError,
 )
 
+if TYPE_CHECKING:
+    from .structured import StructuredRequest
+
 __all__ = [
     "Checkpoint",
     "CompiledConstraint",
@@ -63,6 +66,7 @@ __all__ = [
     "JsonConstraint",
     "compile_constraint",
     "compile_for_member",
+    "check_tools",
     "tool_call_constraint",
 ]
 
@@ -199,6 +203,28 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], choice: str | Mappi
         branches.append({"type": "object", "properties": {"name": {"const": spec["name"]}, "arguments": params},
                          "required": ["name", "arguments"], "additionalProperties": False})
     return JsonConstraint(branches[0] if len(branches) == 1 else {"anyOf": branches})
+
+
+def check_tools(tools: Sequence[Mapping[str, Any]], tool_choice: Any = None) -> StructuredRequest:
+    """Validate tools and a tool choice when they are bound, not at the first call.
+
+    Typed errors name the problem: an unknown name in ``tool_choice`` raises
+    :class:`~ensemble_core.errors.UnknownToolError`, parameters the grammar engine cannot
+    compile raise :class:`~ensemble_core.errors.InvalidSchemaError` naming the tool, whatever
+    the choice (an "auto" request could not be constrained later either). Without llguidance
+    only a forced choice needs the engine (and raises :class:`MissingDependencyError`).
+    Both adapters' ``bind_tools`` / ``chat_with_tools`` call it.
+    """
+    from .structured import structured_request
+
+    request = structured_request(list(tools), tool_choice)
+    try:  # one tool at a time, so that the error names the tool (repeated names are the call's concern)
+        for spec in request.tools:
+            tool_call_constraint([{"type": "function", "function": spec}], "required")
+    except MissingDependencyError:
+        if request.forced_call:
+            raise
+    return request
 
 
 # ----------------------------------------------------------------------------- tokenizers

@@ -23,7 +23,8 @@ anything else               :class:`~ensemble_core.errors.ConfigurationError` na
 ==========================  ==============================================================
 
 Values are checked strictly: ``max_tokens="10"`` is refused, never converted. Finish
-reasons are reported OpenAI-style by :func:`api_finish_reason` (``eos`` → ``stop``).
+reasons are reported OpenAI-style by :func:`api_finish_reason` (``eos`` → ``stop``; a
+reply that is tool calls → ``tool_calls``).
 The adapters keep only their framework's types.
 """
 
@@ -59,8 +60,14 @@ STANDARD_OPTIONS = ("temperature", "max_tokens", "max_new_tokens", "top_p", "see
 API_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
 
 
-def api_finish_reason(reason: str) -> str:
-    """The OpenAI-style finish reason for a core one (``eos`` and stop strings are both ``stop``)."""
+def api_finish_reason(reason: str, has_tool_calls: bool = False) -> str:
+    """The OpenAI-style finish reason for a core one (``eos`` and stop strings are both ``stop``).
+
+    A reply that ended normally with parsed tool calls reports ``tool_calls`` (OpenAI's
+    value, which agent loops check); a call cut by the token budget stays ``length``.
+    """
+    if has_tool_calls and reason in ("eos", "stop"):
+        return "tool_calls"
     return API_FINISH_REASONS.get(reason, reason)
 
 
@@ -163,7 +170,7 @@ def usage(result: GenerationResult) -> dict[str, int]:
 def result_info(result: GenerationResult, ensemble: Ensemble) -> dict[str, Any]:
     """What every adapter reports about how a response was made (its metadata / raw payload)."""
     return {
-        "finish_reason": api_finish_reason(result.finish_reason),
+        "finish_reason": api_finish_reason(result.finish_reason, bool(result.tool_calls)),
         "stop_reason": result.finish_reason,
         "method": ensemble.method_name,
         "ensemble": ensemble.name,

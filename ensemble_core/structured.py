@@ -38,8 +38,11 @@ TOOL_INSTRUCTIONS = (
     "{when}"
 )
 SCHEMA_INSTRUCTIONS = "Answer with one JSON object that matches this JSON Schema, and nothing else:\n{schema}"
+#: ``response_format={"type": "json_object"}``: any object (a schema of ``{}`` would only confuse a small model).
+JSON_INSTRUCTIONS = "Answer with one JSON object, and nothing else."
 #: Qwen2.5-style templates wrap calls in these tags; a reply may carry them in auto mode.
-_TAGGED_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.S)
+CALL_TAG = "<tool_call>"
+_TAGGED_CALL = re.compile(re.escape(CALL_TAG) + r"\s*(.*?)\s*(</tool_call>|$)", re.S)
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,8 @@ def with_instructions(messages: list[dict[str, Any]], request: StructuredRequest
     if request.tools and request.choice != "none" and not native_tools:
         parts.append(tool_instructions(request))
     if request.schema is not None and not request.forced_call:
-        parts.append(SCHEMA_INSTRUCTIONS.format(schema=json.dumps(request.schema or {"type": "object"}, ensure_ascii=False)))
+        parts.append(SCHEMA_INSTRUCTIONS.format(schema=json.dumps(request.schema, ensure_ascii=False))
+                     if request.schema else JSON_INSTRUCTIONS)
     if not parts:
         return messages
     text = "\n\n".join(parts)
@@ -207,6 +211,21 @@ def _as_call(value: Any, names: Sequence[str]) -> ToolCall | None:
     return None
 
 
+def json_sequence(text: str) -> list[Any] | None:
+    """The JSON values ``text`` consists of, separated by whitespace only (None if it is anything else)."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i == len(text):
+            return values or None
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return None
+        values.append(value)
+
+
 def parse_output(text: str, request: StructuredRequest) -> StructuredOutput:
     """Read a reply: tool calls (forced or chosen by the model in auto mode), or the requested JSON value."""
     if not request.active:
@@ -219,18 +238,22 @@ def parse_output(text: str, request: StructuredRequest) -> StructuredOutput:
         calls, invalid = [], []
         for chunk in candidates:
             try:
-                value = json.loads(chunk)
+                values = [json.loads(chunk)]
             except json.JSONDecodeError as exc:
-                if tagged or (chunk.startswith("{") and '"name"' in chunk):
-                    invalid.append({"name": None, "args": chunk, "id": "call_" + uuid.uuid4().hex[:24],
-                                    "error": f"not valid JSON: {exc}"})
-                continue
-            call = _as_call(value, names)
-            if call is not None:
-                calls.append(call)
-            elif isinstance(value, Mapping) and "name" in value:
-                invalid.append({"name": value.get("name"), "args": json.dumps(value.get("arguments")),
-                                "id": "call_" + uuid.uuid4().hex[:24], "error": "unknown tool or arguments not an object"})
+                values = json_sequence(chunk)  # several calls, one after another (one per line)
+                if values is None:
+                    if tagged or (chunk.startswith("{") and '"name"' in chunk):
+                        invalid.append({"name": None, "args": chunk, "id": "call_" + uuid.uuid4().hex[:24],
+                                        "error": f"not valid JSON: {exc}"})
+                    continue
+            for value in values:
+                call = _as_call(value, names)
+                if call is not None:
+                    calls.append(call)
+                elif isinstance(value, Mapping) and "name" in value:
+                    invalid.append({"name": value.get("name"), "args": json.dumps(value.get("arguments")),
+                                    "id": "call_" + uuid.uuid4().hex[:24],
+                                    "error": "unknown tool or arguments not an object"})
         if calls or invalid:
             return StructuredOutput("" if calls and not tagged else _TAGGED_CALL.sub("", body).strip(), calls,
                                     invalid_tool_calls=invalid)
@@ -240,3 +263,90 @@ def parse_output(text: str, request: StructuredRequest) -> StructuredOutput:
         except json.JSONDecodeError:
             return StructuredOutput(text)
     return StructuredOutput(text)
+
+
+def reply_content(text: str, output: StructuredOutput | None) -> str:
+    """A reply's message text: the reply, without the calls when it holds tool calls."""
+    return output.content if output is not None and output.tool_calls else text
+
+
+# ----------------------------------------------------------------------------- schemas
+_SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "allOf", "oneOf", "additionalProperties"})
+
+
+def closed_schema(schema: Any) -> Any:
+    """A copy of a JSON Schema whose objects allow no undeclared properties (where it does not say).
+
+    What OpenAI's strict mode requires, and the adapters' default for tool parameters and
+    schemas (``strict=None``): a schema that lists properties almost always means "these
+    fields", a small model left free to add keys spends the token budget on them (seen with
+    the bundled pair: the schema's own keywords written as extra keys), and a function or a
+    pydantic class accepts only what it declares. ``additionalProperties: true`` in the
+    schema (or ``strict=False`` in the adapters) keeps extra keys allowed.
+    """
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: closed_schema(v) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), Mapping):
+            out[key] = {name: closed_schema(sub) for name, sub in schema[key].items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+# ----------------------------------------------------------------------------- streaming
+def _tag_start(text: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of :data:`CALL_TAG`."""
+    for k in range(min(len(CALL_TAG) - 1, len(text)), 0, -1):
+        if text.endswith(CALL_TAG[:k]):
+            return k
+    return 0
+
+
+class ReplyStream:
+    """Which committed text of a request with tools may be streamed as content, and when.
+
+    * A forced call (``tool_choice`` "any" / "required" / a name) is never text: nothing is
+      streamed, the call arrives whole at the end.
+    * ``tool_choice="auto"``: text is streamed as it comes while the reply cannot (yet) be a
+      call. A reply that starts with ``{`` is held back to the end (it may be a call); text
+      from a ``<tool_call>`` tag on is held back too, as is a tail that may still become
+      that tag, and trailing whitespace (the parsed content is stripped).
+
+    Both adapters and the server stream through it; :meth:`rest` gives the text that
+    completes what was streamed to the final content.
+    """
+
+    def __init__(self, forced: bool) -> None:
+        self.raw, self.shown, self.holding = "", 0, forced
+
+    @property
+    def text(self) -> str:
+        """What has been shown so far."""
+        return self.raw[:self.shown]
+
+    def push(self, delta: str) -> str:
+        """Add a committed delta; return the part that may be shown now (possibly empty)."""
+        self.raw += delta
+        if self.holding:
+            return ""
+        if self.raw.lstrip().startswith("{"):
+            self.holding = True
+            return ""
+        tag = self.raw.find(CALL_TAG)
+        if tag >= 0:
+            self.holding, end = True, tag
+        else:
+            end = len(self.raw) - _tag_start(self.raw)
+        end = len(self.raw[:end].rstrip())
+        if end <= self.shown:
+            return ""
+        out, self.shown = self.raw[self.shown:end], end
+        return out
+
+    def rest(self, content: str) -> str:
+        """What to send after the streamed text so that the concatenation is ``content``."""
+        return content[self.shown:] if content.startswith(self.text) else ""

@@ -1,7 +1,9 @@
 """langchain-tests unit suite for ChatEnsemble, on tiny random-weight members (no real weights needed).
 
 The unit suite checks construction, standard parameters, serialisation hooks and the
-capability declarations; it needs no sensible text, so it runs on tiny members with the
+capability declarations (tool calling, tool choice and structured output included: every
+tool and schema type of the suite binds, and every ``with_structured_output`` method and
+``strict`` value builds); it needs no sensible text, so it runs on tiny members with the
 real tokenizers and stays in the fast part of the suite.
 """
 
@@ -34,8 +36,12 @@ class TestChatEnsembleUnit(ChatModelUnitTests):
 
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True

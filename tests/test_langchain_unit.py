@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
@@ -22,6 +22,9 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
+from langchain_core.tools import tool
 from langchain_ensemble import (
     ChatEnsemble,
     EnsembleLLM,
@@ -30,9 +33,37 @@ from langchain_ensemble import (
 )
 from langchain_ensemble.base import split_model
 from langchain_ensemble.messages import to_core_messages
+from pydantic import BaseModel, Field
+from typing_extensions import TypedDict
 
 from ensemble_core import ConfigurationError, Ensemble, InputError, InvalidOptionError, normalize_messages
 from ensemble_core.runtime import Run as CoreRun
+from ensemble_core.structured import closed_schema
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+class Pet(BaseModel):
+    """A pet."""
+
+    name: str
+    kind: Literal["cat", "dog"]
+    owner: Owner | None = None
+
+
+class Owner(BaseModel):
+    name: str
+
+
+class PetDict(TypedDict):
+    """A pet."""
+
+    name: str
+    age: int
+
+
+Pet.model_rebuild()
 
 
 class TokenCounter(BaseCallbackHandler):
@@ -124,6 +155,8 @@ def test_standard_params_map_onto_core_overrides(pair) -> None:
     assert run.overrides["top_p"] == 0.5 and run.timeout == 5 and name == chat.model_name
     with pytest.raises(ConfigurationError, match="Unknown option.*tool_list"):
         chat._prepare("hi", None, {"tool_list": []})
+    run, _, _ = chat._prepare("hi", None, {"tools": [ADD], "tool_choice": "add"})  # tools are core options
+    assert run.overrides["tools"] == [ADD] and run.overrides["tool_choice"] == "add"
 
 
 def test_sampling_with_a_seed_is_reproducible(pair) -> None:
@@ -144,7 +177,8 @@ def test_ls_params_and_profile(chat) -> None:
     llm = EnsembleLLM(members=chat.members, method="single")
     assert llm._get_ls_params()["ls_model_type"] == "llm"
     assert chat.profile["max_input_tokens"] == chat._core_ensemble().context_window == 4096
-    assert chat.profile["tool_calling"] is False
+    assert chat.profile["tool_calling"] is True and chat.profile["tool_choice"] is True
+    assert chat.profile["structured_output"] is True
 
 
 # ---------------------------------------------------------------- messages
@@ -174,6 +208,16 @@ def test_tool_calls_and_results_round_trip(chat, tiny_gemma) -> None:
     assert '{"name": "multiply", "arguments": {"a": 6, "b": 7}}' in text
     assert "Tool result (multiply): 42" in text and "Tool result (f): 3" in text
     assert isinstance(chat.invoke(messages).content, str)
+
+
+def test_provider_call_blocks_are_carried_by_tool_calls() -> None:
+    """Anthropic-style list content with a tool_use block (langchain-tests' list-content history)."""
+    call = {"name": "add", "args": {"a": 1, "b": 2}, "id": "abc", "type": "tool_call"}
+    message = AIMessage([{"type": "text", "text": "some text"},
+                         {"type": "tool_use", "id": "abc", "name": "add", "input": {"a": 1, "b": 2}}], tool_calls=[call])
+    core = normalize_messages(to_core_messages([HumanMessage("1 + 2?"), message]))
+    assert core[1] == {"role": "assistant", "content": "some text",
+                       "tool_calls": [{"id": "abc", "name": "add", "arguments": {"a": 1, "b": 2}}]}
 
 
 def test_non_text_content_and_bad_roles_are_rejected(chat) -> None:
@@ -274,6 +318,99 @@ def test_llm_invoke_stream_batch_with_callbacks(pair) -> None:
     counter = TokenCounter()
     assert streaming.invoke("Hello", config={"callbacks": [counter]}) == text and "".join(counter.tokens) == text
     assert len(counter.tokens) >= 2
+
+
+# ---------------------------------------------------------------- tools and structured output
+@tool
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+def test_bind_tools_converts_tools_and_maps_tool_choice(chat) -> None:
+    bound = chat.bind_tools([multiply, ADD], tool_choice="any")
+    assert [t["function"]["name"] for t in bound.kwargs["tools"]] == ["multiply", "add"]
+    assert bound.kwargs["tool_choice"] == "any"
+    # objects in the parameters are closed (no undeclared arguments) unless strict=False
+    assert all(t["function"]["parameters"]["additionalProperties"] is False for t in bound.kwargs["tools"])
+    loose = chat.bind_tools([ADD], strict=False).kwargs["tools"][0]["function"]["parameters"]
+    assert "additionalProperties" not in loose
+    assert chat.bind_tools([ADD], tool_choice=True).kwargs["tool_choice"] == "required"
+    for auto in (None, False, "auto"):
+        assert "tool_choice" not in chat.bind_tools([ADD], tool_choice=auto).kwargs
+    named = {"type": "function", "function": {"name": "add"}}
+    assert chat.bind_tools([ADD], tool_choice=named).kwargs["tool_choice"] == named
+    assert chat.bind_tools([ADD], tool_choice="none").kwargs["tool_choice"] == "none"
+    with pytest.raises(InvalidOptionError, match="tool_choice"):
+        chat.bind_tools([ADD], tool_choice=3)
+    with pytest.raises(InvalidOptionError, match="tools"):
+        chat.bind_tools(ADD)
+
+
+def test_with_structured_output_uses_langchains_parsers(chat) -> None:
+    cases = [(Pet, "json_schema", PydanticOutputParser), (PetDict, "json_schema", JsonOutputParser),
+             (Pet.model_json_schema(), "json_schema", JsonOutputParser), (Pet, "function_calling", PydanticToolsParser),
+             (PetDict, "function_calling", JsonOutputKeyToolsParser), (Pet, "json_mode", PydanticOutputParser),
+             (None, "json_mode", JsonOutputParser)]
+    for schema, method, parser in cases:
+        runnable = chat.with_structured_output(schema, method=method)
+        assert isinstance(runnable.last, parser), (schema, method)
+        bound = runnable.first.kwargs
+        assert bound["ls_structured_output_format"]["kwargs"]["method"] == method
+        if method == "json_schema":
+            fmt = bound["response_format"]
+            assert fmt["type"] == "json_schema" and fmt["json_schema"]["name"] in ("Pet", "PetDict")
+        elif method == "function_calling":
+            assert bound["tool_choice"] == bound["tools"][0]["function"]["name"]
+        else:
+            assert bound["response_format"] == {"type": "json_object"}
+    closed = chat.with_structured_output(Pet).first.kwargs["response_format"]["json_schema"]["schema"]
+    assert closed["additionalProperties"] is False and closed["$defs"]["Owner"]["additionalProperties"] is False
+    as_dict = chat.with_structured_output(Pet.model_json_schema()).first.kwargs["response_format"]["json_schema"]
+    assert as_dict["schema"] == closed_schema(Pet.model_json_schema())  # closed unless strict=False
+    loose = chat.with_structured_output(Pet.model_json_schema(), strict=False).first.kwargs["response_format"]
+    assert "additionalProperties" not in loose["json_schema"]["schema"]
+    opened = {**Pet.model_json_schema(), "additionalProperties": True}
+    assert chat.with_structured_output(opened).first.kwargs["response_format"]["json_schema"]["schema"][
+        "additionalProperties"] is True  # an explicit value is kept
+    assert chat.with_structured_output(Pet, include_raw=True) is not None
+    with pytest.raises(ConfigurationError, match="Unknown argument.*format"):
+        chat.with_structured_output(Pet, format="json")
+    with pytest.raises(InvalidOptionError, match="method"):
+        chat.with_structured_output(Pet, method="xml")
+    with pytest.raises(InvalidOptionError, match="'schema'"):
+        chat.with_structured_output(None)
+
+
+def test_structured_output_parses_and_a_cut_reply_is_refused(chat, pair) -> None:
+    class Kind(BaseModel):  # enums and a bounded integer: even random weights finish it well within the budget
+        kind: Literal["cat", "dog"]
+        legs: int = Field(ge=0, le=9)
+
+    roomy = ChatEnsemble(members=pair, method="single", max_tokens=200)
+    out = roomy.with_structured_output(Kind, include_raw=True).invoke("My cat Tom.")
+    assert isinstance(out["parsed"], Kind) and out["parsing_error"] is None
+    assert out["raw"].response_metadata["finish_reason"] == "stop"
+    cut = chat.with_structured_output(Pet, include_raw=True).invoke("My cat Tom.")  # max_tokens=6
+    assert cut["raw"].response_metadata["finish_reason"] == "length"
+    assert cut["parsed"] is None and "token budget" in str(cut["parsing_error"])  # not completed by parse_partial_json
+
+
+def test_generated_call_round_trips_with_a_tool_message(chat) -> None:
+    digits = {"type": "integer", "minimum": 0, "maximum": 9}  # bounded: random weights cannot loop on digits
+    small_add = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": digits, "b": digits}, "required": ["a", "b"]}}}
+    bound = chat.bind_tools([small_add], tool_choice="add", max_tokens=200)
+    call = bound.invoke("What is 2 + 3?")
+    assert call.content == "" and call.tool_calls[0]["name"] == "add" and call.tool_calls[0]["id"].startswith("call_")
+    assert call.response_metadata["finish_reason"] == "tool_calls"
+    result = ToolMessage(str(sum(call.tool_calls[0]["args"].values())), tool_call_id=call.tool_calls[0]["id"], name="add")
+    history = [HumanMessage("What is 2 + 3?"), call, result]
+    core = to_core_messages(history)
+    assert core[1]["tool_calls"][0]["id"] == call.tool_calls[0]["id"] and core[2]["tool_call_id"] == call.tool_calls[0]["id"]
+    assert isinstance(chat.bind_tools([ADD]).invoke(history, max_tokens=4), AIMessage)
+    with_tools = chat.get_num_tokens_from_messages(history, tools=[ADD])
+    assert with_tools > chat.get_num_tokens_from_messages(history)  # the tools are part of the prompt
 
 
 # ---------------------------------------------------------------- timeout and cancellation

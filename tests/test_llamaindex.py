@@ -10,15 +10,20 @@ usage that ``TokenCountingHandler`` reads.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
+from typing import Literal
 
 import llama_index.llms.ensemble as pkg
 import pytest
-from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
+from llama_index.core.base.llms.types import ChatMessage, ChatResponse, ImageBlock, MessageRole, TextBlock
 from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.tools import FunctionTool
 from llama_index.llms.ensemble import EnsembleLLM, default_context_margin, shared_ensemble
 from llama_index.llms.ensemble.messages import to_core_messages
+from pydantic import BaseModel, Field
 
 from ensemble_core import (
     ConfigurationError,
@@ -93,7 +98,7 @@ def test_metadata_names_members_and_method(tiny_llm: EnsembleLLM, tiny_llama: Me
     meta = tiny_llm.metadata
     window = min(tiny_llama.context_window, tiny_gemma.context_window)
     assert meta.context_window == window - default_context_margin(window)
-    assert meta.num_output == 4 and meta.is_chat_model and not meta.is_function_calling_model
+    assert meta.num_output == 4 and meta.is_chat_model and meta.is_function_calling_model
     assert meta.model_name == f"single({tiny_llama.name}+{tiny_gemma.name})"
     assert tiny_llm.to_dict()["members"] == [tiny_llama.name, tiny_gemma.name]
     custom = EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", context_margin=100)
@@ -160,6 +165,84 @@ def test_tiny_members_run_every_entry_point(tiny_llm: EnsembleLLM) -> None:
         assert chunks[-1].raw["finish_reason"] in ("length", "eos", "stop")
 
     asyncio.run(run_async())
+
+
+
+# --------------------------------------------------------------------------- function calling (tiny members)
+class Kind(BaseModel):
+    """The kind of pet and its legs (enums and a bounded integer: even random weights finish it)."""
+
+    kind: Literal["cat", "dog"]
+    legs: int = Field(ge=0, le=9)
+
+
+PETS: list[tuple[str, int]] = []
+
+
+class PetArgs(BaseModel):
+    kind: Literal["cat", "dog"]
+    legs: int = Field(ge=0, le=9)
+
+
+def pet(kind: str, legs: int) -> str:
+    """Record a pet."""
+    PETS.append((kind, legs))
+    return f"{kind} with {legs} legs"
+
+
+def _tools() -> list[FunctionTool]:
+    """The ``pet`` tool (its arguments: an enum and an integer); empties the log PETS."""
+    PETS.clear()
+    return [FunctionTool.from_defaults(pet, fn_schema=PetArgs)]
+
+
+def test_prepare_chat_with_tools_and_tool_choice(tiny_llm: EnsembleLLM) -> None:
+    tools = _tools()
+    prepared = tiny_llm._prepare_chat_with_tools(tools, user_msg="hi", chat_history=[ChatMessage(role="system", content="s")])
+    assert [m.role for m in prepared["messages"]] == [MessageRole.SYSTEM, MessageRole.USER]
+    assert prepared["tools"][0]["function"]["name"] == "pet" and prepared["tool_choice"] == "auto"
+    assert tiny_llm._prepare_chat_with_tools(tools, tool_required=True)["tool_choice"] == "required"
+    assert tiny_llm._prepare_chat_with_tools(tools, tool_required=True, tool_choice="pet")["tool_choice"] == "pet"
+    assert tiny_llm._prepare_chat_with_tools([], user_msg="hi")["tools"] is None
+    assert prepared["tools"][0]["function"]["parameters"]["additionalProperties"] is False  # closed unless strict=False
+    loose = tiny_llm._prepare_chat_with_tools(tools, strict=False)["tools"][0]["function"]["parameters"]
+    assert "additionalProperties" not in loose
+
+
+def test_tool_calls_come_back_as_blocks_and_round_trip(tiny_llm: EnsembleLLM) -> None:
+    tools = _tools()
+    response = tiny_llm.chat_with_tools(tools, user_msg="I have a cat.", tool_required=True, max_new_tokens=80)
+    calls = tiny_llm.get_tool_calls_from_response(response)
+    assert len(calls) == 1 and calls[0].tool_name == "pet" and calls[0].tool_id.startswith("call_")
+    assert response.raw["finish_reason"] == "tool_calls" and response.additional_kwargs["finish_reason"] == "tool_calls"
+    assert [type(b).__name__ for b in response.message.blocks] == ["ToolCallBlock"] and not response.message.content
+    streamed = list(tiny_llm.stream_chat_with_tools(tools, user_msg="I have a cat.", tool_required=True,
+                                                    max_new_tokens=80))
+    assert len(streamed) == 1 and tiny_llm.get_tool_calls_from_response(streamed[-1])[0].tool_kwargs == calls[0].tool_kwargs
+    history = [ChatMessage(role="user", content="I have a cat."), response.message,
+               ChatMessage(role="tool", content="ok", additional_kwargs={"tool_call_id": calls[0].tool_id})]
+    core = to_core_messages(history)
+    assert core[1]["tool_calls"] == [{"id": calls[0].tool_id, "name": "pet", "arguments": calls[0].tool_kwargs}]
+    assert core[2] == {"role": "tool", "content": [{"type": "text", "text": "ok"}], "tool_call_id": calls[0].tool_id,
+                       "name": "pet"}  # the name is recovered from the call it answers
+    assert tiny_llm.chat(history).message.role == MessageRole.ASSISTANT
+    legacy = ChatResponse(message=ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [
+        {"id": "c9", "type": "function", "function": {"name": "pet", "arguments": '{"kind": "dog", "legs": 4}'}}]}))
+    assert tiny_llm.get_tool_calls_from_response(legacy)[0].tool_kwargs == {"kind": "dog", "legs": 4}
+    text = ChatResponse(message=ChatMessage(role="assistant", content="no call"))
+    assert tiny_llm.get_tool_calls_from_response(text, error_on_no_tool_call=False) == []
+    with pytest.raises(ValueError, match="answered in text: 'no call'"):
+        tiny_llm.get_tool_calls_from_response(text)
+
+
+def test_structured_predict_and_structured_llm(tiny_llama: Member, tiny_gemma: Member) -> None:
+    llm = EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", max_new_tokens=80)
+    kind = llm.structured_predict(Kind, PromptTemplate("Describe {pet}."), pet="my cat")  # FunctionCallingProgram
+    assert isinstance(kind, Kind)
+    reply = llm.as_structured_llm(Kind).chat([ChatMessage(role="user", content="my dog")])
+    assert isinstance(reply.raw, Kind) and json.loads(reply.message.content) == reply.raw.model_dump()
+    predicted = llm.predict_and_call(_tools(), user_msg="I have a dog.", error_on_no_tool_call=False)
+    assert isinstance(predicted.response, str) and len(PETS) <= 1  # auto: the random model may or may not call
 
 
 # --------------------------------------------------------------------------- real pair

@@ -1,5 +1,9 @@
 """A ReActAgent (text-based tool use) on the ensemble.
 
+(``EnsembleLLM`` is also a function-calling LLM: the ``FunctionAgent`` tests, with forced
+calls on the bundled pair and a scripted member in auto mode, are in ``test_agents.py``,
+which reuses :class:`ScriptedLM` from here.)
+
 Two tests, because the bundled models are tiny:
 
 * the real pair runs the agent loop with a calculator tool to a final response without

@@ -16,7 +16,7 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["quickstart.ipynb", "langchain.ipynb", "llamaindex.ipynb"]
+NAMES = ["quickstart.ipynb", "langchain.ipynb", "llamaindex.ipynb", "agents.ipynb"]
 
 
 def test_notebooks_exist_and_are_stripped() -> None:

@@ -10,7 +10,16 @@ import pytest
 
 from ensemble_core import Ensemble, InvalidOptionError, Member
 from ensemble_core.errors import InvalidSchemaError, UnknownToolError
-from ensemble_core.structured import StructuredRequest, parse_output, structured_request, with_instructions
+from ensemble_core.structured import (
+    JSON_INSTRUCTIONS,
+    ReplyStream,
+    StructuredRequest,
+    closed_schema,
+    json_sequence,
+    parse_output,
+    structured_request,
+    with_instructions,
+)
 from ensemble_core.testing import tiny_member
 
 TOOLS = [{"type": "function", "function": {
@@ -74,6 +83,45 @@ def test_parse_output_reads_calls_text_and_values() -> None:
     broken = parse_output('{"name": "multiply", "arguments": {"a": 6,', auto)
     assert broken.tool_calls == [] and broken.invalid_tool_calls and "not valid JSON" in broken.invalid_tool_calls[0]["error"]
     assert parse_output('{"city": "Oslo"}', StructuredRequest(schema=SCHEMA)).parsed == {"city": "Oslo"}
+
+
+def test_several_calls_one_per_line_are_all_read() -> None:
+    auto = structured_request(TOOLS)
+    text = '{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n{"name": "weather", "arguments": {"city": "Oslo"}}'
+    out = parse_output(text, auto)
+    assert [c.name for c in out.tool_calls] == ["multiply", "weather"] and out.content == ""
+    assert len({c.id for c in out.tool_calls}) == 2
+    assert json_sequence('{"a": 1} {"b": 2}\n') == [{"a": 1}, {"b": 2}]
+    assert json_sequence('{"a": 1} trailing') is None and json_sequence("  ") is None
+
+
+def test_json_mode_asks_for_an_object_without_showing_an_empty_schema() -> None:
+    request = structured_request(None, None, {"type": "json_object"})
+    system = with_instructions([{"role": "user", "content": "x"}], request, native_tools=False)[0]["content"]
+    assert system == JSON_INSTRUCTIONS and "Schema" not in system
+    schema = with_instructions([{"role": "user", "content": "x"}], StructuredRequest(schema=SCHEMA), False)[0]["content"]
+    assert '"city"' in schema
+
+
+def test_reply_stream_holds_back_what_may_become_a_call() -> None:
+    r = ReplyStream(forced=False)
+    assert r.push("The answer") == "The answer" and r.push(" is <tool") == " is"
+    assert r.push("_call>{") == "" and r.text == "The answer is"
+    assert r.rest("The answer is 42") == " 42" and r.rest("unrelated") == ""
+    assert ReplyStream(forced=True).push("text") == ""
+    held = ReplyStream(forced=False)
+    assert held.push(' {"name"') == "" and held.holding
+
+
+def test_closed_schema_closes_every_object_it_declares() -> None:
+    schema = {"type": "object", "properties": {"pet": {"type": "object", "properties": {"n": {"type": "string"}}},
+                                               "tags": {"type": "array", "items": {"type": "object"}}},
+              "$defs": {"X": {"properties": {"y": {}}}}, "additionalProperties": True}
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is True  # said explicitly: kept
+    assert closed["properties"]["pet"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["X"]["additionalProperties"] is False and "additionalProperties" not in schema["$defs"]["X"]
 
 
 @pytest.mark.parametrize("method", METHODS)

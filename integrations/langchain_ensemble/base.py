@@ -18,6 +18,9 @@ unknown keyword args      names that are not config fields raise ConfigurationEr
 ``stop``                  ``stop`` (a per-call ``stop`` replaces the instance's, as in ChatOpenAI);
                           members' own stop strings (``"\\nUser:"`` for template-less
                           members) are always added by the core
+``tools``,                the core's config fields of the same names (OpenAI-style specs, see
+``tool_choice``,          ``ensemble_core.structured``); set by ``bind_tools`` /
+``response_format``       ``with_structured_output`` (``chat_models``), or per call
 (all of the above)        mapped by the core's option policy,
                           :func:`ensemble_core.runtime.call_overrides`, shared with LlamaIndex
 ``timeout``               seconds; the core stream's cancel event is set at the deadline and

@@ -4,24 +4,159 @@ Shaped like ``langchain-huggingface``'s ``ChatHuggingFace``: convert the message
 the engine, wrap the answer and its metadata. Generation, stop strings, token counting
 and cancellation are all :class:`ensemble_core.Ensemble`'s; see :mod:`.base` for how the
 standard parameters map onto it and :mod:`.messages` for the message conversion.
+
+Tool calling and structured output (shaped like ``langchain-ollama``'s ``ChatOllama``: both
+in this module, converters at module level) are the core's ``tools`` / ``tool_choice`` /
+``response_format`` options: :meth:`ChatEnsemble.bind_tools` binds OpenAI-style tool specs,
+:meth:`ChatEnsemble.with_structured_output` binds a tool or a response format and adds
+LangChain's own output parsers. A forced call or a schema is decoded under a grammar by
+every member, so the output always parses unless ``max_tokens`` cuts it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing, closing
-from typing import Any
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel
+from langchain_core.exceptions import OutputParserException
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.base import OutputParserLike
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, Generation
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel
+from typing_extensions import is_typeddict
 
-from ensemble_core import Ensemble, GenerationResult
+from ensemble_core import ConfigurationError, Ensemble, GenerationResult, InvalidOptionError
+from ensemble_core.constraints import check_tools
+from ensemble_core.runtime import Run
+from ensemble_core.structured import closed_schema, structured_request
 
 from .base import EnsembleFields, response_metadata, usage_metadata
-from .messages import to_core_messages
+from .messages import ReplyStream, lc_tool_call_chunks, lc_tool_calls, reply_content, to_core_messages
+
+#: The ``method`` values of :meth:`ChatEnsemble.with_structured_output`.
+StructuredMethod = Literal["json_schema", "function_calling", "json_mode"]
+
+
+# ----------------------------------------------------------------------------- parsers
+class _WholeReply:
+    """Refuse a reply the token budget cut (``finish_reason == "length"``).
+
+    LangChain's JSON parsers complete partial JSON (``parse_partial_json``), so a reply cut
+    in the middle of a list would otherwise come back as an object the model never
+    finished. ``invoke`` raises ``OutputParserException`` (``parsing_error`` with
+    ``include_raw=True``); streams yield partial objects as LangChain's parsers always do.
+    """
+
+    def parse_result(self, result: list[Generation], *, partial: bool = False) -> Any:
+        message = getattr(result[0], "message", None) if result else None
+        if not partial and message is not None and message.response_metadata.get("finish_reason") == "length":
+            raise OutputParserException(
+                "The reply was cut by the token budget (finish_reason='length') before its JSON was complete; "
+                f"raise max_tokens. Reply: {str(message.content)[:200]!r}", llm_output=str(message.content))
+        return super().parse_result(result, partial=partial)  # type: ignore[misc]
+
+
+class WholePydanticOutputParser(_WholeReply, PydanticOutputParser):
+    """``PydanticOutputParser`` that refuses a reply cut by the token budget."""
+
+
+class WholeJsonOutputParser(_WholeReply, JsonOutputParser):
+    """``JsonOutputParser`` that refuses a reply cut by the token budget."""
+
+
+class WholePydanticToolsParser(_WholeReply, PydanticToolsParser):
+    """``PydanticToolsParser`` that refuses a reply cut by the token budget."""
+
+
+class WholeJsonOutputKeyToolsParser(_WholeReply, JsonOutputKeyToolsParser):
+    """``JsonOutputKeyToolsParser`` that refuses a reply cut by the token budget."""
+
+
+# ----------------------------------------------------------------------------- converters
+def convert_tools(tools: Sequence[Any], strict: bool | None = None) -> list[dict[str, Any]]:
+    """LangChain tools (``BaseTool``, functions, pydantic classes, TypedDicts, dicts) → OpenAI tool specs.
+
+    Objects in the parameters are closed (``additionalProperties: false`` where the schema
+    does not say) unless ``strict=False``: a small model left free to add keys spends its
+    budget on them, and a function accepts only the parameters it declares. An explicit
+    ``additionalProperties`` is kept. (The core closes the top level of a call's arguments
+    in any case.)
+    """
+    if isinstance(tools, (str, Mapping)) or not isinstance(tools, Sequence):
+        raise InvalidOptionError("tools", tools, "a list of tools (BaseTool, functions, pydantic classes or dicts)")
+    specs = []
+    for i, tool in enumerate(tools):
+        try:
+            spec = convert_to_openai_tool(tool, strict=strict)
+        except (ValueError, TypeError) as exc:
+            raise InvalidOptionError(f"tools[{i}]", tool, f"a tool LangChain can convert to an OpenAI spec ({exc})") from exc
+        function = spec.get("function")
+        if strict is not False and isinstance(function, Mapping):
+            spec = {**spec, "function": {**function, "parameters": closed_schema(function.get("parameters") or {})}}
+        specs.append(spec)
+    return specs
+
+
+def tool_choice_option(tool_choice: Any) -> str | dict[str, Any] | None:
+    """LangChain's ``tool_choice`` values → the core's: ``None``/``False``/"auto" → auto (no option),
+    ``True``/"any"/"required" → a call of any tool, a name or ``{"type": "function", "function":
+    {"name": ...}}`` → that tool, "none" → no call."""
+    if tool_choice is None or tool_choice is False or tool_choice == "auto":
+        return None
+    if tool_choice is True:
+        return "required"
+    if isinstance(tool_choice, (str, Mapping)):
+        return tool_choice if isinstance(tool_choice, str) else dict(tool_choice)
+    raise InvalidOptionError("tool_choice", tool_choice, "'auto', 'none', 'any', 'required', True, a tool name or "
+                                                         "{'type': 'function', 'function': {'name': ...}}")
+
+
+def schema_kind(schema: Any) -> str:
+    """``"pydantic"``, ``"typeddict"`` or ``"dict"``; anything else raises :class:`InvalidOptionError`."""
+    if isinstance(schema, type) and (is_basemodel_subclass(schema) or _is_pydantic_v1(schema)):
+        return "pydantic"
+    if is_typeddict(schema):
+        return "typeddict"
+    if isinstance(schema, Mapping):
+        return "dict"
+    raise InvalidOptionError("schema", schema, "a pydantic class, a TypedDict or a JSON Schema dict")
+
+
+def _is_pydantic_v1(schema: type) -> bool:
+    try:
+        from pydantic.v1 import BaseModel as BaseModelV1
+    except ImportError:  # pragma: no cover
+        return False
+    return issubclass(schema, BaseModelV1)
+
+
+def json_schema_of(schema: Any, kind: str) -> dict[str, Any]:
+    """The JSON Schema of a pydantic class (its own ``model_json_schema``), a TypedDict or a dict."""
+    if kind == "pydantic":
+        return schema.model_json_schema() if issubclass(schema, BaseModel) else schema.schema()
+    if kind == "typeddict":
+        return convert_to_json_schema(schema)
+    return dict(schema)
+
+
+def response_format_for(schema: Any, kind: str, strict: bool | None) -> dict[str, Any]:
+    """The core ``response_format`` of :meth:`ChatEnsemble.with_structured_output` (``method="json_schema"``)."""
+    json_schema = json_schema_of(schema, kind)
+    if strict is not False:
+        json_schema = closed_schema(json_schema)
+    name = str(json_schema.get("title") or getattr(schema, "__name__", "") or "response")
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema, "strict": strict is not False}}
 
 
 class ChatEnsemble(EnsembleFields, BaseChatModel):
@@ -58,33 +193,143 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
         return self._ensemble_ls_params("chat", stop, kwargs)
 
     def _resolve_model_profile(self) -> ModelProfile | None:
-        """Limits of the whole ensemble: its context window is the smallest member's."""
+        """Limits of the whole ensemble: its context window is the smallest member's.
+
+        Tool calling, tool choice and structured output are the core's (grammar-constrained
+        when a call is forced or a schema is given); tool calls are streamed whole, in the
+        closing chunk, so ``tool_call_streaming`` is False.
+        """
         ensemble = self._core_ensemble()
         return ModelProfile(
             name=ensemble.name, max_input_tokens=ensemble.context_window, text_inputs=True, text_outputs=True,
-            image_inputs=False, audio_inputs=False, video_inputs=False, pdf_inputs=False, tool_calling=False,
-            structured_output=False, temperature=True,
+            image_inputs=False, audio_inputs=False, video_inputs=False, pdf_inputs=False, tool_calling=True,
+            tool_choice=True, tool_call_streaming=False, structured_output=True, temperature=True,
         )
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
-        """Prompt tokens exactly as a call counts them: the primary member's chat-formatted prompt."""
-        if tools:
-            raise NotImplementedError("ChatEnsemble does not support tools.")
+        """Prompt tokens exactly as a call counts them: the primary member's chat-formatted prompt
+        (with the tools, rendered as that member receives them)."""
         primary = self._core_ensemble().method.primary
-        return len(primary.encode_prompt(primary.render(to_core_messages(messages))))
+        request = check_tools(convert_tools(tools)) if tools else None
+        return len(primary.encode_prompt(primary.render(to_core_messages(messages), request)))
+
+    # ------------------------------------------------------------------ tools and structured output
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+                   tool_choice: str | bool | dict[str, Any] | None = None, *, strict: bool | None = None,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools: each call sends them to the members and reads the reply as calls.
+
+        Args:
+            tools: ``BaseTool``s, functions, pydantic classes, TypedDicts or OpenAI-style dicts
+                (converted with ``convert_to_openai_tool``).
+            tool_choice: ``None`` / ``"auto"`` (the ensemble decides: a reply that is a JSON
+                call is a call, anything else is text), ``"any"`` / ``"required"`` / ``True`` (a
+                call of one of the tools, decoded under a grammar), a tool name or
+                ``{"type": "function", "function": {"name": ...}}`` (that tool), ``"none"``.
+            strict: ``None``/``True`` (default): the objects of the tools' parameters are closed
+                (no undeclared properties, where the schema does not say); ``False``: as given.
+            kwargs: other options bound with the tools (``max_tokens``, ...).
+
+        Unknown tool names in ``tool_choice`` and parameters the grammar cannot compile raise
+        here, typed (:class:`~ensemble_core.errors.UnknownToolError`,
+        :class:`~ensemble_core.errors.InvalidSchemaError`).
+        """
+        specs = convert_tools(tools, strict)
+        choice = tool_choice_option(tool_choice)
+        check_tools(specs, choice)
+        if choice is not None:
+            kwargs["tool_choice"] = choice
+        return super().bind(tools=specs, **kwargs)
+
+    def with_structured_output(self, schema: dict[str, Any] | type | None = None, *,
+                               method: StructuredMethod = "json_schema", include_raw: bool = False,
+                               strict: bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
+        """A runnable that answers with an instance of ``schema`` (or a dict).
+
+        Args:
+            schema: a pydantic class (the result is an instance), a TypedDict or a JSON Schema
+                dict (the result is a dict). Optional only for ``method="json_mode"``.
+            method: ``"json_schema"`` (default: the schema is the core's ``response_format``,
+                every member decodes under its grammar), ``"function_calling"`` (the schema is a
+                tool the ensemble is forced to call), ``"json_mode"`` (any JSON object; the schema
+                is neither enforced nor shown to the model: ask for the keys in the prompt).
+            include_raw: return ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``.
+            strict: ``None`` (default) or ``True``: every object of the schema is closed
+                (``additionalProperties: false`` where the schema does not say); ``False``: the
+                schema as given (JSON Schema's default then allows extra keys).
+
+        The parsers are LangChain's own, as in its provider packages: ``PydanticOutputParser`` /
+        ``JsonOutputParser`` for ``json_schema`` and ``json_mode``, ``PydanticToolsParser`` /
+        ``JsonOutputKeyToolsParser`` (first tool only) for ``function_calling``; each refuses
+        a reply cut by ``max_tokens`` (``OutputParserException``) instead of completing its
+        partial JSON.
+        """
+        if kwargs:
+            raise ConfigurationError(f"Unknown argument(s) {', '.join(sorted(kwargs))} for with_structured_output; "
+                                     "accepted: schema, method, include_raw, strict.")
+        if method not in ("json_schema", "function_calling", "json_mode"):
+            raise InvalidOptionError("method", method, "'json_schema', 'function_calling' or 'json_mode'")
+        if schema is None and method != "json_mode":
+            raise InvalidOptionError("schema", schema, f"a pydantic class, a TypedDict or a JSON Schema dict for "
+                                                       f"method={method!r} (only 'json_mode' works without one)")
+        kind = None if schema is None else schema_kind(schema)
+        trace = {"ls_structured_output_format": {"kwargs": {"method": method, "strict": strict}, "schema": schema}}
+        parser: OutputParserLike
+        if method == "function_calling":
+            tool = convert_tools([schema], strict)[0]
+            name = tool["function"]["name"]
+            llm = self.bind_tools([tool], tool_choice=name, **trace)
+            parser = (WholePydanticToolsParser(tools=[schema], first_tool_only=True) if kind == "pydantic"
+                      else WholeJsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        else:
+            if method == "json_mode":
+                response_format: dict[str, Any] = {"type": "json_object"}
+            else:
+                response_format = response_format_for(schema, str(kind), strict)
+            structured_request(response_format=response_format)  # a bad schema raises here, typed
+            if method == "json_schema":
+                from ensemble_core.constraints import JsonConstraint
+
+                JsonConstraint(response_format["json_schema"]["schema"])
+            llm = self.bind(response_format=response_format, **trace)
+            parser = WholePydanticOutputParser(pydantic_object=schema) if kind == "pydantic" else WholeJsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        no_parse = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parse.with_fallbacks([no_parse], exception_key="parsing_error")
 
     # ------------------------------------------------------------------ results
     @staticmethod
     def _result_message(result: GenerationResult, ensemble: Ensemble, model_name: str) -> AIMessage:
-        return AIMessage(content=result.text, usage_metadata=usage_metadata(result),
+        calls, invalid = lc_tool_calls(result.structured)
+        return AIMessage(content=reply_content(result.text, result.structured), tool_calls=calls,
+                         invalid_tool_calls=invalid, usage_metadata=usage_metadata(result),
                          response_metadata=response_metadata(result, ensemble, model_name))
 
     @staticmethod
-    def _last_chunk(result: GenerationResult, ensemble: Ensemble, model_name: str) -> ChatGenerationChunk:
-        """The closing chunk: no text, all the usage and metadata (so they are counted once)."""
+    def _last_chunk(result: GenerationResult, ensemble: Ensemble, model_name: str, rest: str = "") -> ChatGenerationChunk:
+        """The closing chunk: the held-back text and the tool calls, all the usage and metadata (counted once)."""
+        metadata = response_metadata(result, ensemble, model_name)
+        if result.structured is not None and result.structured.invalid_tool_calls:
+            metadata["invalid_tool_calls"] = list(result.structured.invalid_tool_calls)
         return ChatGenerationChunk(message=AIMessageChunk(
-            content="", usage_metadata=usage_metadata(result),
-            response_metadata=response_metadata(result, ensemble, model_name), chunk_position="last"))
+            content=rest, tool_call_chunks=lc_tool_call_chunks(result.structured), usage_metadata=usage_metadata(result),
+            response_metadata=metadata, chunk_position="last"))
+
+    @staticmethod
+    def _reply_stream(run: Run) -> ReplyStream | None:
+        """How deltas are shown when tools are bound (None: every delta is content)."""
+        request = run.stream.config.structured
+        if not request.tools or request.choice == "none":
+            return None
+        return ReplyStream(forced=request.forced_call)
+
+    def _closing(self, run: Run, reply: ReplyStream | None, ensemble: Ensemble, model_name: str) -> ChatGenerationChunk:
+        result = run.result
+        assert result is not None
+        rest = reply.rest(reply_content(result.text, result.structured)) if reply is not None else ""
+        return self._last_chunk(result, ensemble, model_name, rest)
 
     # ------------------------------------------------------------------ sync
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -98,20 +343,26 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         """One chunk per committed text delta, then a closing chunk with usage and metadata.
 
-        ``run_manager`` is given only on paths where LangChain does not report tokens
-        itself (``stream()`` reports each yielded chunk), so each chunk is reported once.
+        With tools bound, text that is (or may still become) a tool call is held back
+        (:class:`~.messages.ReplyStream`); the calls arrive whole in the closing chunk's
+        ``tool_call_chunks``. ``run_manager`` is given only on paths where LangChain does not
+        report tokens itself (``stream()`` reports each yielded chunk), so each chunk is
+        reported once.
         """
         run, ensemble, model_name = self._prepare(to_core_messages(messages), stop, kwargs)
+        reply = self._reply_stream(run)
         with closing(iter(run)) as deltas:  # leaving early cancels the core stream
             for delta in deltas:
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                shown = reply.push(delta) if reply is not None else delta
+                if not shown:
+                    continue
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=shown))
                 if run_manager:
-                    run_manager.on_llm_new_token(delta, chunk=chunk)
+                    run_manager.on_llm_new_token(shown, chunk=chunk)
                 yield chunk
-        assert run.result is not None
-        last = self._last_chunk(run.result, ensemble, model_name)
+        last = self._closing(run, reply, ensemble, model_name)
         if run_manager:
-            run_manager.on_llm_new_token("", chunk=last)
+            run_manager.on_llm_new_token(str(last.message.content), chunk=last)
         yield last
 
     # ------------------------------------------------------------------ async
@@ -128,14 +379,17 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         """Like :meth:`_stream`, with the model running in a worker thread (the loop stays free)."""
         run, ensemble, model_name = self._prepare(to_core_messages(messages), stop, kwargs)
+        reply = self._reply_stream(run)
         async with aclosing(run.astream()) as deltas:
             async for delta in deltas:
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+                shown = reply.push(delta) if reply is not None else delta
+                if not shown:
+                    continue
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=shown))
                 if run_manager:
-                    await run_manager.on_llm_new_token(delta, chunk=chunk)
+                    await run_manager.on_llm_new_token(shown, chunk=chunk)
                 yield chunk
-        assert run.result is not None
-        last = self._last_chunk(run.result, ensemble, model_name)
+        last = self._closing(run, reply, ensemble, model_name)
         if run_manager:
-            await run_manager.on_llm_new_token("", chunk=last)
+            await run_manager.on_llm_new_token(str(last.message.content), chunk=last)
         yield last

@@ -10,12 +10,18 @@ policy (:mod:`ensemble_core.chat`), shared with the LlamaIndex adapter and the s
   ``FunctionMessage`` → ``tool`` named after the function, ``ChatMessage`` with role
   ``system``/``user``/``human``/``assistant``/``ai``/``tool``.
 * Content is passed as LangChain's standard content blocks (``message.content_blocks``);
-  tool-call blocks are skipped there because ``AIMessage.tool_calls`` carries the calls.
+  tool-call blocks (and providers' own, such as Anthropic's ``tool_use``) are skipped there
+  because ``AIMessage.tool_calls`` carries the calls.
 * A message's ``name`` is not rendered: the members' chat templates have no field for it.
+
+The other direction (:func:`lc_tool_calls`, :func:`lc_tool_call_chunks`, :class:`ReplyStream`)
+turns the core's :class:`~ensemble_core.structured.StructuredOutput` into ``AIMessage.tool_calls``
+/ ``invalid_tool_calls`` and a stream's ``tool_call_chunks``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,15 +34,22 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
+from langchain_core.messages.tool import InvalidToolCall, ToolCall, ToolCallChunk, invalid_tool_call, tool_call, tool_call_chunk
 
 from ensemble_core import InputError, UnsupportedContentError
+from ensemble_core.structured import ReplyStream, StructuredOutput, reply_content
 
 _CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "ai": "assistant",
                "tool": "tool"}
 #: Blocks of an AIMessage's content that describe its tool calls (carried by ``tool_calls`` instead).
 _TOOL_CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call"})
+#: Provider-specific call blocks that LangChain leaves as ``non_standard`` (Anthropic's ``tool_use``,
+#: OpenAI Responses' ``function_call``): also carried by ``AIMessage.tool_calls``.
+_PROVIDER_CALL_BLOCKS = frozenset({"tool_use", "server_tool_use", "function_call"})
 
-__all__ = ["UnsupportedContentError", "message_role", "to_core_messages"]
+__all__ = ["ReplyStream", "UnsupportedContentError", "lc_tool_call_chunks", "lc_tool_calls", "message_role",
+           "reply_content", "to_core_messages"]
+#: Qwen2.5-style templates open a call with this tag; text from it on is never streamed as content.
 
 
 def message_role(message: BaseMessage, index: int) -> str:
@@ -66,9 +79,10 @@ def content_parts(message: BaseMessage) -> str | list[dict[str, Any]]:
     parts = []
     for block in message.content_blocks:
         kind = block.get("type")
-        if kind in _TOOL_CALL_BLOCKS:
+        value_kind = (block.get("value") or {}).get("type") if kind == "non_standard" else None
+        if kind in _TOOL_CALL_BLOCKS or (value_kind in _PROVIDER_CALL_BLOCKS and isinstance(message, AIMessage)):
             continue
-        if kind == "non_standard" and (block.get("value") or {}).get("type") in ("reasoning", "thinking"):
+        if value_kind in ("reasoning", "thinking"):
             parts.append({"type": "reasoning"})
         else:
             parts.append(dict(block))
@@ -94,3 +108,28 @@ def to_core_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
             core["name"] = message.name
         out.append(core)
     return out
+
+
+# ----------------------------------------------------------------------------- core → LangChain
+def lc_tool_calls(output: StructuredOutput | None) -> tuple[list[ToolCall], list[InvalidToolCall]]:
+    """``AIMessage.tool_calls`` (with the core's ids) and ``invalid_tool_calls`` of a reply."""
+    if output is None:
+        return [], []
+    calls = [tool_call(name=c.name, args=c.arguments, id=c.id) for c in output.tool_calls]
+    invalid = [invalid_tool_call(name=c.get("name"), args=c.get("args"), id=c.get("id"), error=c.get("error"))
+               for c in output.invalid_tool_calls]
+    return calls, invalid
+
+
+def lc_tool_call_chunks(output: StructuredOutput | None) -> list[ToolCallChunk]:
+    """A stream's ``tool_call_chunks``: each parsed call whole, in one chunk (``index`` = its position).
+
+    Unparseable calls are not sent as chunks: LangChain reads a chunk's arguments leniently
+    (partial JSON is completed), which would turn a call cut by the token budget into an
+    executable one. Their text stays in the content, and the closing chunk's
+    ``response_metadata["invalid_tool_calls"]`` lists them.
+    """
+    if output is None:
+        return []
+    return [tool_call_chunk(name=c.name, args=json.dumps(c.arguments, ensure_ascii=False), id=c.id, index=i)
+            for i, c in enumerate(output.tool_calls)]

@@ -13,9 +13,9 @@ the worker stops after the round it is in.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import aclosing
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -27,16 +27,23 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
+    ToolCallBlock,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, ValidationError, field_serializer
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.llm import LLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 
-from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, Member
-from ensemble_core.chat import Prompt
+from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, Member
+from ensemble_core.chat import Prompt, normalize_tool_call
+from ensemble_core.constraints import check_tools
 from ensemble_core.runtime import Run, call_overrides, collect_method_options, config_fields, merge_options, shared_ensemble
+from ensemble_core.structured import ReplyStream, closed_schema, reply_content
 
-from .messages import extra_kwargs, raw_payload, to_core_messages
+from .messages import assistant_message, extra_kwargs, raw_payload, to_core_messages
+
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
 
 #: Options that are EnsembleLLM fields; method_config must not set them a second time.
 LLM_OPTIONS = ("max_new_tokens", "stop", "temperature", "do_sample")
@@ -58,8 +65,8 @@ def default_context_margin(window: int) -> int:
     return window // 8 + TEMPLATE_MARGIN
 
 
-class EnsembleLLM(LLM):
-    """Several local models answering as one LlamaIndex LLM.
+class EnsembleLLM(FunctionCallingLLM):
+    """Several local models answering as one LlamaIndex LLM (a function-calling one).
 
     ``Settings.llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma3-270m"], method="safe")``
     makes every query engine, chat engine and agent use the ensemble. Each member sees the
@@ -73,6 +80,12 @@ class EnsembleLLM(LLM):
     Invalid values raise the library's errors too (``ConfigurationError`` chained to
     pydantic's ``ValidationError``). Completion calls send the prompt as one user message
     through the chat path, so both behave alike.
+
+    Tools (``FunctionAgent``, ``predict_and_call``, ``structured_predict``, ``as_structured_llm``)
+    are the core's ``tools`` / ``tool_choice``: a required call (``tool_required=True``, a
+    ``tool_choice`` name) is decoded under a grammar by every member, so it always parses
+    unless ``max_new_tokens`` cuts it; with ``tool_choice="auto"`` a reply that is a JSON
+    call is a call, anything else is text. Calls come back as ``ToolCallBlock``s.
 
     Not the LangChain class of the same name: ``langchain_ensemble.EnsembleLLM`` is a
     LangChain ``BaseLLM`` (text completion); this one is a LlamaIndex ``LLM`` (chat and
@@ -143,7 +156,7 @@ class EnsembleLLM(LLM):
             context_window=self.context_window or max(window - margin, 1),
             num_output=self.max_new_tokens,
             is_chat_model=True,
-            is_function_calling_model=False,
+            is_function_calling_model=True,
             model_name=self._ensemble.name,
             system_role=MessageRole.SYSTEM,
         )
@@ -171,52 +184,158 @@ class EnsembleLLM(LLM):
 
     # ------------------------------------------------------------------ one response path
     def _response(self, chat: bool, result: GenerationResult | None, text: str, delta: str | None) -> Any:
-        """A chat or completion response; the final one (``result`` given) carries usage and stats."""
+        """A chat or completion response; the final one (``result`` given) carries usage and stats,
+        and, for a reply with tool calls, its calls as ``ToolCallBlock``s (``text`` is then the
+        reply without the calls)."""
         extra: Dict[str, Any] = {}
+        structured = None
         if result is not None:
             extra = {"raw": raw_payload(result, self._ensemble), "additional_kwargs": extra_kwargs(result)}
+            structured = result.structured
         if chat:
-            return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, **extra)
+            return ChatResponse(message=assistant_message(text, structured), delta=delta, **extra)
         return CompletionResponse(text=text, delta=delta, **extra)
 
-    # A stream ends with a response that adds no text and carries the usage and statistics
-    # (as OpenAI's final stream chunk does): callbacks and token counters read the last
-    # response of a stream, and the usage is only known once the stream is exhausted.
+    @staticmethod
+    def _reply_stream(run: Run) -> ReplyStream | None:
+        """How deltas are shown when tools are sent (None: every delta is text)."""
+        request = run.stream.config.structured
+        if not request.tools or request.choice == "none":
+            return None
+        return ReplyStream(forced=request.forced_call)
+
+    def _final(self, chat: bool, run: Run, reply: ReplyStream | None, text: str) -> Any:
+        """The last response of a stream: the rest of the text (held back by ``reply``), calls, usage."""
+        result = run.result
+        assert result is not None
+        if reply is None:
+            return self._response(chat, result, text, "")
+        content = reply_content(result.text, result.structured)
+        return self._response(chat, result, content, reply.rest(content))
+
+    # A stream ends with a response that carries the usage and statistics (as OpenAI's final
+    # stream chunk does): callbacks and token counters read the last response of a stream,
+    # and the usage is only known once the stream is exhausted. With tools, text that is (or
+    # may still become) a call is held back and the calls arrive in that last response.
     def _generate(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Any:
         result = self._run(prompt, kwargs).run()
-        return self._response(chat, result, result.text, None)
+        return self._response(chat, result, reply_content(result.text, result.structured), None)
 
     def _stream(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Iterator[Any]:
         run = self._run(prompt, kwargs)  # validated now, so that bad options raise at the call
+        reply = self._reply_stream(run)
 
         def gen() -> Iterator[Any]:
             text = ""
             try:
                 for delta in run:
-                    text += delta
-                    yield self._response(chat, None, text, delta)
+                    shown = reply.push(delta) if reply is not None else delta
+                    if shown:
+                        text += shown
+                        yield self._response(chat, None, text, shown)
             finally:
                 run.close()
-            yield self._response(chat, run.result, text, "")
+            yield self._final(chat, run, reply, text)
 
         return gen()
 
     async def _agenerate(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Any:
         result = await self._run(prompt, kwargs).arun()
-        return self._response(chat, result, result.text, None)
+        return self._response(chat, result, reply_content(result.text, result.structured), None)
 
     async def _astream(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> AsyncIterator[Any]:
         run = self._run(prompt, kwargs)
+        reply = self._reply_stream(run)
 
         async def gen() -> AsyncIterator[Any]:
             text = ""
             async with aclosing(run.astream()) as deltas:
                 async for delta in deltas:
-                    text += delta
-                    yield self._response(chat, None, text, delta)
-            yield self._response(chat, run.result, text, "")
+                    shown = reply.push(delta) if reply is not None else delta
+                    if shown:
+                        text += shown
+                        yield self._response(chat, None, text, shown)
+            yield self._final(chat, run, reply, text)
 
         return gen()
+
+    # ------------------------------------------------------------------ function calling
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: Union[str, ChatMessage] | None = None,
+        chat_history: List[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: Union[str, Dict[str, Any]] | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Dict[str, Any]:
+        """The ``chat`` arguments for a call with tools: messages, OpenAI-style specs, the tool choice.
+
+        ``tool_choice`` (a tool name, ``"auto"``, ``"none"``, ``"required"`` or OpenAI's dict)
+        wins; otherwise ``tool_required=True`` forces a call of one of the tools and False
+        lets the ensemble decide. An unknown tool name, or parameters the grammar engine
+        cannot compile, raise here (typed: ``UnknownToolError``, ``InvalidSchemaError``).
+        ``allow_parallel_tool_calls=False`` keeps the first call of a reply. Objects in the
+        parameters are closed (``additionalProperties: false`` where the schema does not say)
+        unless ``strict=False``.
+        """
+        specs = [tool.metadata.to_openai_tool(skip_length_check=True) for tool in tools]
+        if strict is not False:
+            specs = [{**s, "function": {**s["function"], "parameters": closed_schema(s["function"]["parameters"])}}
+                     for s in specs]
+        if tool_choice is None:
+            tool_choice = "required" if tool_required and specs else "auto"
+        if not isinstance(tool_choice, (str, Mapping)):
+            raise InvalidOptionError("tool_choice", tool_choice, "a tool name, 'auto', 'none', 'required' or "
+                                                                 "{'type': 'function', 'function': {'name': ...}}")
+        check_tools(specs, tool_choice)
+        if isinstance(user_msg, str):
+            user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(user_msg)
+        return {"messages": messages, "tools": specs or None, "tool_choice": tool_choice if specs else None, **kwargs}
+
+    def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[BaseTool],
+                                           allow_parallel_tool_calls: bool = False, **kwargs: Any) -> ChatResponse:
+        """Without parallel calls, only the first call of the reply is kept (as LlamaIndex's OpenAI LLM does)."""
+        if not allow_parallel_tool_calls:
+            calls = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+            if len(calls) > 1:
+                response.message.blocks = [b for b in response.message.blocks
+                                           if not isinstance(b, ToolCallBlock) or b is calls[0]]
+        return response
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> List[ToolSelection]:
+        """The calls of a response: its ``ToolCallBlock``s, else OpenAI-style ``additional_kwargs["tool_calls"]``.
+
+        No call raises ``ValueError`` when ``error_on_no_tool_call`` (LlamaIndex's convention),
+        naming what the ensemble answered instead.
+        """
+        message = response.message
+        calls: list[dict[str, Any]] = [{"id": b.tool_call_id, "name": b.tool_name, "arguments": b.tool_kwargs}
+                                       for b in message.blocks if isinstance(b, ToolCallBlock)]
+        if not calls:
+            calls = [c.model_dump() if hasattr(c, "model_dump") else c
+                     for c in message.additional_kwargs.get("tool_calls") or []]
+        if not calls:
+            if error_on_no_tool_call:
+                text = repr((message.content or "")[:200])
+                if (response.additional_kwargs or {}).get("finish_reason") == "length":
+                    raise ValueError(f"Expected a tool call, but the token budget cut the reply before the call was "
+                                     f"complete: {text}. Raise max_new_tokens.")
+                raise ValueError(f"Expected at least one tool call, but the ensemble answered in text: {text}. "
+                                 "Pass tool_required=True (or a tool_choice) to force a call.")
+            return []
+        selections = []
+        for i, call in enumerate(calls):
+            c = normalize_tool_call(call, f"Tool call {i}")
+            selections.append(ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]))
+        return selections
 
     # ------------------------------------------------------------------ LlamaIndex API
     @llm_chat_callback()

@@ -9,6 +9,10 @@ Messages are passed through as messages (never flattened into one prompt string 
 trained on). Responses carry the usage in ``raw["usage"]`` with OpenAI's key names, which
 is where ``TokenCountingHandler`` looks (``llama_index.core.callbacks.token_counting``),
 and the method's statistics in ``additional_kwargs`` and ``raw["stats"]``.
+
+Tool calls in a response are ``ToolCallBlock``s of its message (with the core's call ids),
+which is where ``FunctionCallingLLM`` agents and programs look, and what
+:func:`to_core_messages` reads back as the assistant turn's calls.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from llama_index.core.base.llms.types import (
 
 from ensemble_core import Ensemble, GenerationResult, InputError
 from ensemble_core.runtime import api_finish_reason, result_info, usage
+from ensemble_core.structured import StructuredOutput
 
 #: LlamaIndex role → core role.
 ROLE_MAP: dict[str, str] = {
@@ -71,6 +76,7 @@ def to_core_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     if not messages:
         raise InputError("No messages: pass at least one user message.")
     out: list[dict[str, Any]] = []
+    names: dict[str, Any] = {}  # tool call id → tool name, from the assistant messages so far
     for i, message in enumerate(messages):
         if not isinstance(message, ChatMessage):
             raise InputError(f"Message {i} is a {type(message).__name__}, not a llama_index ChatMessage.")
@@ -78,16 +84,25 @@ def to_core_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         if role not in ROLE_MAP:
             raise InputError(f"Message {i} has role {role!r}; use one of {', '.join(ROLE_MAP)}.")
         parts, calls = content_parts(message)
-        calls += [_plain(c) for c in message.additional_kwargs.get("tool_calls") or []]
+        seen = {c["id"] for c in calls if c.get("id")}
+        calls += [c for c in (_plain(c) for c in message.additional_kwargs.get("tool_calls") or [])
+                  if not (isinstance(c, dict) and c.get("id") and c["id"] in seen)]  # blocks and kwargs may repeat a call
         core: dict[str, Any] = {"role": ROLE_MAP[role], "content": parts}
         if calls and core["role"] == "assistant":
             core["tool_calls"] = calls
+            names.update({str(c.get("id")): _call_name(c) for c in calls if isinstance(c, dict) and c.get("id")})
         if core["role"] == "tool":
             extra = message.additional_kwargs
             core["tool_call_id"] = extra.get("tool_call_id")
-            core["name"] = extra.get("name") or extra.get("tool_name")
+            # FunctionAgent sends only the id: the name comes from the call it answers
+            core["name"] = extra.get("name") or extra.get("tool_name") or names.get(str(extra.get("tool_call_id")))
         out.append(core)
     return out
+
+
+def _call_name(call: dict[str, Any]) -> Any:
+    fn = call.get("function")
+    return fn.get("name") if isinstance(fn, dict) else call.get("name")
 
 
 def raw_payload(result: GenerationResult, ensemble: Ensemble) -> dict[str, Any]:
@@ -96,6 +111,25 @@ def raw_payload(result: GenerationResult, ensemble: Ensemble) -> dict[str, Any]:
 
 
 def extra_kwargs(result: GenerationResult) -> dict[str, Any]:
-    """``additional_kwargs`` of a response: the method statistics, the finish reason and the usage."""
-    return {"finish_reason": api_finish_reason(result.finish_reason), "stop_reason": result.finish_reason,
-            "ensemble_stats": result.stats, **usage(result)}
+    """``additional_kwargs`` of a response: the method statistics, the finish reason and the usage
+    (plus ``invalid_tool_calls``: replies that looked like a call but did not parse)."""
+    extra = {"finish_reason": api_finish_reason(result.finish_reason, bool(result.tool_calls)),
+             "stop_reason": result.finish_reason, "ensemble_stats": result.stats, **usage(result)}
+    if result.structured is not None and result.structured.invalid_tool_calls:
+        extra["invalid_tool_calls"] = list(result.structured.invalid_tool_calls)
+    return extra
+
+
+# ----------------------------------------------------------------------------- replies with tool calls
+def assistant_message(content: str, output: StructuredOutput | None = None) -> ChatMessage:
+    """The assistant message of a response: its text, and one ``ToolCallBlock`` per parsed call.
+
+    The blocks carry the core's call ids, so the message goes back into the chat history
+    as it is (:func:`to_core_messages` reads the blocks as the assistant turn's calls).
+    """
+    calls = output.tool_calls if output is not None else []
+    if not calls:
+        return ChatMessage(role=MessageRole.ASSISTANT, content=content)
+    blocks: list[Any] = [TextBlock(text=content)] if content else []
+    blocks += [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments) for c in calls]
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)
