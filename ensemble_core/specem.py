@@ -15,8 +15,9 @@ and Online Feedback" (NeurIPS 2025; first published as SpecFuse). Every round:
    Each verifier's scores are normalised across the candidates (softmax by default:
    the published divide-by-the-sum flips rankings when raw logit means are negative).
 3. **Hedge**: per-request weights over the verifiers, starting uniform. Member ``i``
-   earns ``gamma_i = max(count, 1) / (K-1)^2``, ``count`` = how often another verifier
-   ``j`` scores ``i``'s candidate at least as high as a competitor ``k != i``;
+   earns ``gamma_i = count / (K-1)^2`` (``reward="win-rate"``, the default; published:
+   ``max(count, 1) / (K-1)^2``), ``count`` = how often another verifier ``j`` scores
+   ``i``'s candidate at least as high as a competitor ``k != i``;
    ``w_i *= exp(eta_t * gamma_i)``, renormalised, ``eta_t = (eta/10) * sqrt(1/K) / t``.
    As in the published code the weights are updated first and then used to select
    ``argmax_c sum_i w_i * s_ic``.
@@ -31,9 +32,13 @@ keeps its context whatever its role (published: a verifier that does not draft l
 state); an empty draft abstains (scored lowest by everyone) instead of becoming the
 placeholder " ."; a finished candidate is scored with the verifier's own EOS probability.
 
-Note on K = 2: with the published reward the floor ``max(count, 1)`` makes ``gamma`` equal
-to 1 for both members every round, so Hedge cannot move the weights of a pair;
-``reward="win-rate"`` (no floor) gives pairs a working signal.
+Why win-rate is the default: with K = 2 the published floor ``max(count, 1)`` makes
+``gamma`` equal to 1 for both members every round (``count`` is 0 or 1 and ``(K-1)^2 = 1``),
+so Hedge cannot move the weights of a pair, the most common configuration, while its stats
+say ``hedge: true``. Without the floor the reward is the share of (judge, rival) pairs the
+member wins, for every K; for K >= 3 the two differ only in the rounds where a member wins
+nothing. ``reward="published"`` keeps the paper's formula (measured comparison:
+docs/benchmarks.md, "Hedge reward").
 """
 
 from __future__ import annotations
@@ -75,15 +80,15 @@ class SpecEMConfig(SelectionConfig):
     (``eta_decay="inverse"``, published) or without the ``1 / t`` (``"constant"``). The
     published code takes ``eta`` as an integer flag without a recommended value; 10 moves
     a clearly losing member's weight by a few tens of percent over a typical answer.
-    ``reward``: ``"published"`` (``max(count, 1) / (K-1)^2``) or ``"win-rate"``
-    (``count / (K-1)^2``, informative for K = 2, see the module docstring).
+    ``reward``: ``"win-rate"`` (``count / (K-1)^2``, default: it learns for every K) or
+    ``"published"`` (``max(count, 1) / (K-1)^2``: constant for a pair, see the module docstring).
     """
 
     segment_length: int = 10
     hedge: bool = True
     eta: float = 10.0
     eta_decay: str = "inverse"
-    reward: str = "published"
+    reward: str = "win-rate"
 
     def __post_init__(self) -> None:
         super().__post_init__()

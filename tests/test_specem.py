@@ -44,6 +44,15 @@ def test_hedge_update_and_step() -> None:
     assert hedge_update([0.5, 0.5], [1.0, 1.0], 3.0) == [0.5, 0.5]
 
 
+def test_the_default_reward_learns_for_a_pair() -> None:
+    """K = 2: the published reward is 1 for both members whatever the scores; win-rate is not."""
+    assert SpecEMConfig().reward == "win-rate"
+    judged = [[0.9, 0.1], [0.8, 0.2]]  # both verifiers prefer member 0's candidate
+    assert hedge_rewards(judged, [0, 1], [0, 1], floor=True) == [1.0, 1.0]
+    w = hedge_update([0.5, 0.5], hedge_rewards(judged, [0, 1], [0, 1], floor=False), hedge_step(10.0, 2, 1))
+    assert w[0] > 0.6 > 0.4 > w[1]
+
+
 # ----------------------------------------------------------------------------- config errors
 @pytest.mark.parametrize("options", [
     {"segment_length": 0}, {"segment_length": True}, {"scoring": "prob"}, {"normalization": "sum"},
