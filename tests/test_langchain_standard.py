@@ -43,10 +43,8 @@ REPETITION = ("Asked for 'the setup to a joke about cats, no punchline', the bun
               "a cut reply instead of completing it). The optional field itself is handled: see the other Joke tests "
               "and tests/test_agents.py (Person.email, Event.location).")
 JSON_MODE = ("JSON mode constrains the reply to *some* JSON object; the keys 'setup' and 'punchline' are only "
-             "asked for in the prompt, and the bundled pair does not follow it (model ability): it writes a "
-             "schema-shaped object ('type': 'object', 'properties': ...), echoing the core's JSON-mode instruction, "
-             "which shows the schema {'type': 'object'}. With the schema enforced (json_schema, function_calling) the "
-             "same Joke parses.")
+             "asked for in the prompt, and the bundled pair does not follow it (model ability: it writes other "
+             "keys). With the schema enforced (json_schema, function_calling) the same Joke parses.")
 
 
 #: Standard tests whose answer is a forced tool call, and those whose answer is a JSON object.
