@@ -29,6 +29,7 @@ from .distributions import (
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
 from .members import Member
+from .rows import next_row
 from .selection import (
     Candidate,
     SelectionConfig,
@@ -69,7 +70,7 @@ class SingleModel(EnsembleMethod[GenerationConfig]):
     def step(self, request: _SingleRequest) -> Chunk:
         view = request.views[0]
         state, member = view.state, view.member
-        row = state.score()[-1]
+        row = next_row(state)
         if view.constraint is not None:  # a forced tool call / a schema: only tokens that keep the output valid
             row = view.constraint.mask_logits(row)
         probs = torch.softmax(row, dim=-1)
@@ -231,7 +232,7 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         for view, (keep, tokens) in zip(request.views, encoded):
             state = view.state
             state.crop(state.prompt_len + keep)  # also when nothing changed: trims sliding layers as before
-            row = state.score(tokens.ids[keep:])[-1]
+            row = next_row(state, tokens.ids[keep:])
             if view.constraint is not None:  # each member under its own token mask
                 row = view.constraint.mask_logits(row)
             probs.append(torch.softmax(row.float(), dim=-1))

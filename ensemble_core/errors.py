@@ -17,8 +17,9 @@ or one of the families (configuration, model loading, input, cancellation)::
     ├── InputError (ValueError)
     │   ├── PromptTooLongError
     │   └── UnsupportedContentError
-    └── GenerationCancelled
-        └── GenerationTimeout (TimeoutError)
+    ├── GenerationCancelled
+    │   └── GenerationTimeout (TimeoutError)
+    └── MemberUnavailableError (RuntimeError)
 
 The modules that raise an error re-export it where it was defined before (for example
 ``ensemble_core.runtime.GenerationTimeout``), so older imports keep working.
@@ -166,3 +167,22 @@ class UnknownToolError(ConstraintError, KeyError):
 
 class UnsupportedTokenizerError(ConfigurationError):
     """A member's tokenizer cannot be used for constrained decoding."""
+
+
+class MemberUnavailableError(EnsembleError, RuntimeError):
+    """A member running on a Ray actor died, lost its state or did not answer in time.
+
+    ``member`` and ``node`` say which one and where; ``reason`` what happened. The request
+    that hit it cannot continue (the member's decoding state is gone or in doubt), but the
+    actor is restarted by Ray (``max_restarts``) and reloads its model, so retrying the
+    request is the fix for a one-off failure.
+    """
+
+    def __init__(self, member: str, node: str, reason: str, fix: str | None = None) -> None:
+        self.member, self.node, self.reason = member, node, reason
+        hint = fix or (
+            "Retry the request: Ray restarts the actor (RayOptions.max_restarts) and it reloads its model. "
+            "If it keeps failing, look at the node (`ray status`, `ray logs`; out of memory is the usual cause) "
+            "or raise RayOptions.call_timeout_s for slow models."
+        )
+        super().__init__(f"Member {member!r} on Ray node {node} {reason}. {hint}")

@@ -72,6 +72,7 @@ from .distributions import (
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
 from .members import Member
+from .rows import TensorRows, delegate, window_probs
 from .stats import MemberStats, SafeStats
 from .view import MemberView, start_views
 
@@ -82,6 +83,40 @@ GAC_DRAFTER_CONFIDENT = 0.5
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise InvalidOptionError(name, value, f"an integer >= {minimum}")
+
+
+def draft_tokens(state: Any, limit: int, budget: int, config: GenerationConfig, generator: torch.Generator | None,
+                 grammar: Any = None) -> tuple[list[int], Any]:
+    """The drafter's loop: ``limit`` tokens (a few more to finish a character), never past ``budget`` or EOS.
+
+    Returns the drafted ids and their distributions as rows (:mod:`~ensemble_core.rows`).
+    The last drafted token is not fed (the next round feeds it, or it is cropped). A state
+    whose model runs elsewhere drafts next to its cache in one call; a constrained draft
+    runs here, token by token, because the grammar lives here.
+    """
+    own = delegate(state, "draft_tokens") if grammar is None else None
+    if own is not None:
+        return own(limit, budget, config, generator)
+    member = state.member
+    base = len(state.ids)
+    context = state.ids[max(0, base - DECODE_CONTEXT):base]
+    ids: list[int] = []
+    probs: list[torch.Tensor] = []
+    row = state.score()[-1]
+    while True:
+        p = torch.softmax((grammar.mask_logits(row) if grammar is not None else row).float(), dim=-1)
+        token = choose_token(p, config, generator)
+        ids.append(token)
+        probs.append(p)
+        if grammar is not None:
+            grammar.accept_token(token)
+        if token in member.eos_token_ids or len(ids) >= budget:
+            break
+        if len(ids) >= limit and (len(ids) >= limit + PARTIAL_CHAR_TOKENS or not decode_suffix(
+                member.tokenizer, context, ids).endswith(REPLACEMENT_CHAR)):
+            break
+        row = state.score([token])[-1]  # the last drafted token is fed next round (or cropped)
+    return ids, TensorRows(probs)
 
 
 @dataclass(frozen=True)
@@ -148,7 +183,7 @@ class _Draft:
     """
 
     ids: list[int]
-    probs: list[torch.Tensor]
+    probs: Any  # one distribution per drafted token (rows.TensorRows, or a remote member's rows)
     eos: bool
     text: str
     shift: int
@@ -186,12 +221,12 @@ class _Decision:
 
 @dataclass
 class _Window:
-    """A verifier's distributions over the window: ``probs[r]`` follows ``first + r`` tokens."""
+    """A verifier's distributions over the window: row ``r`` of ``probs`` follows ``first + r`` tokens."""
 
     index: int
     tokens: Tokenized
     first: int
-    probs: torch.Tensor
+    probs: Any  # rows.TensorRows, or a remote member's rows
     argmax: list[int]
 
 
@@ -257,24 +292,9 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         limit = min(config.lookahead, budget)
         base = len(state.ids)
         context = state.ids[max(0, base - DECODE_CONTEXT):base]
-        ids: list[int] = []
-        probs: list[torch.Tensor] = []
         grammar = view.constraint  # a constrained request: the drafter drafts under its own token mask
         mark = grammar.checkpoint() if grammar is not None else None
-        row = state.score()[-1]
-        while True:
-            p = torch.softmax((grammar.mask_logits(row) if grammar is not None else row).float(), dim=-1)
-            token = choose_token(p, config, request.generator)
-            ids.append(token)
-            probs.append(p)
-            if grammar is not None:
-                grammar.accept_token(token)
-            if token in member.eos_token_ids or len(ids) >= budget:
-                break
-            if len(ids) >= limit and (len(ids) >= limit + PARTIAL_CHAR_TOKENS or not decode_suffix(
-                    member.tokenizer, context, ids).endswith(REPLACEMENT_CHAR)):
-                break
-            row = state.score([token])[-1]  # the last drafted token is fed next round (or cropped)
+        ids, probs = draft_tokens(state, limit, budget, config, request.generator, grammar)
         eos = ids[-1] in member.eos_token_ids
         text_ids = ids[:-1] if eos else ids
         pieces: list[str | None] = []
@@ -314,10 +334,9 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
             first = tokens.tokens_before(view.offset(len(request.text)))
             start = min(keep, first)
             view.state.crop(view.state.prompt_len + start)
-            rows = view.state.score(tokens.ids[start:])[first - start:]
+            probs = window_probs(view.state, tokens.ids[start:], first - start)
             view.tokens = tokens
-            probs = torch.softmax(rows.float(), dim=-1)
-            windows.append(_Window(index, tokens, first, probs, probs.argmax(dim=-1).tolist()))
+            windows.append(_Window(index, tokens, first, probs, probs.argmax()))
         return windows
 
     # ------------------------------------------------------------------ 3./4. ensemble points
@@ -345,7 +364,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
             if supports is None:
                 counters.skipped_oov += 1
                 continue
-            p_draft = float(draft.probs[j][drafter_eos].sum()) if is_eos else float(draft.probs[j][draft.ids[j]])
+            p_draft = draft.probs.mass(j, drafter_eos) if is_eos else draft.probs.prob(j, draft.ids[j])
             average = (p_draft + sum(p for p, _ in supports)) / n_members
             if (all(agree for _, agree in supports) or average >= config.consensus_threshold
                     or (config.distribution == "gac" and p_draft >= GAC_DRAFTER_CONFIDENT)):
@@ -378,12 +397,13 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
             k = w.tokens.tokens_before(own)
             if k < w.first:
                 return None
-            probs, best = w.probs[k - w.first], w.argmax[k - w.first]
+            r = k - w.first
+            best = w.argmax[r]
             if is_eos:
-                out.append((float(probs[view.member.eos_id_tensor].sum()), best in view.member.eos_token_ids))
+                out.append((w.probs.mass(r, view.member.eos_id_tensor), best in view.member.eos_token_ids))
             elif k < len(w.tokens):
                 nxt = w.tokens.ids[k]
-                out.append((float(probs[nxt]), best == nxt))
+                out.append((w.probs.prob(r, nxt), best == nxt))
             else:
                 return None
         return out
@@ -413,9 +433,9 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         offset = len(request.text) + (draft.bounds[point] or 0)
         prefixes = [view.lead.encode("utf-8") if offset == 0 else b"" for view in request.views]
         probs: list[torch.Tensor | None] = [None] * len(request.views)
-        probs[request.drafter] = draft.probs[point]
+        probs[request.drafter] = draft.probs.row(point)
         for w in windows:
-            probs[w.index] = w.probs[w.tokens.tokens_before(request.views[w.index].offset(offset)) - w.first]
+            probs[w.index] = w.probs.row(w.tokens.tokens_before(request.views[w.index].offset(offset)) - w.first)
         candidates = request.fusion.fuse(probs, drafter=request.drafter, prefixes=prefixes)  # type: ignore[arg-type]
         grammar = request.views[request.drafter].constraint
         if grammar is not None:  # only candidates every member's grammar accepts (it is one grammar over text)

@@ -31,6 +31,7 @@ from .alignment import PARTIAL_CHAR_TOKENS, REPLACEMENT_CHAR, Tokenized, decode_
 from .errors import ConfigurationError, InvalidOptionError
 from .generation import GenerationConfig, choose_token
 from .members import Member
+from .rows import delegate
 from .verify_inline import SCORING_KINDS, branch_step, cache_branch, check_verifier, score_candidates_inline
 from .view import MemberView
 
@@ -221,20 +222,44 @@ def draft(view: MemberView, index: int, length: int, config: GenerationConfig, s
     string (cut before it) or at ``length`` tokens (a few more if the last character is
     unfinished).
     """
-    state, member = view.state, view.member
-    row = state.score()[-1]
     tail = shared[-max((len(s) for s in stops), default=1):] if stops else ""
+    grammar = view.constraint  # a constrained request: draft under this member's own token mask
+    mark = grammar.checkpoint() if grammar is not None else None
+    ids, end, text = draft_segment(view.state, length, config, view.generator, stops, tail, grammar)
+    if grammar is not None:
+        grammar.restore(mark)  # the grammar follows the committed text, not this draft
+    if not shared:
+        text = text.lstrip()
+    if trim:
+        text = postprocess_segment(text, end is not None)
+    else:
+        text = text.replace(REPLACEMENT_CHAR, "")
+    return Candidate(index, text, end, len(ids))
+
+
+@torch.inference_mode()
+def draft_segment(state: Any, length: int, config: GenerationConfig, generator: torch.Generator | None,
+                  stops: Sequence[str], tail: str, grammar: Any = None) -> tuple[list[int], str | None, str]:
+    """The drafting loop of :func:`draft` on a cache branch: ``(ids, end, raw text)``.
+
+    ``tail`` is the end of the shared text (a stop string may start in it). A state whose
+    model runs elsewhere runs this loop next to its cache in one call (and refuses a
+    grammar, which lives here).
+    """
+    own = delegate(state, "draft_segment")
+    if own is not None:
+        return own(length, config, generator, stops, tail, grammar)
+    member = state.member
+    row = state.score()[-1]
     ids: list[int] = []
     end: str | None = None
     text = ""
-    grammar = view.constraint  # a constrained request: draft under this member's own token mask
-    mark = grammar.checkpoint() if grammar is not None else None
     with cache_branch(state):
         while True:
             if grammar is not None:
                 row = grammar.mask_logits(row)
             probs = torch.softmax(row, dim=-1) if config.do_sample else row
-            token = choose_token(probs, config, view.generator)
+            token = choose_token(probs, config, generator)
             if token in member.eos_token_ids:
                 end = "eos"
                 break
@@ -251,17 +276,9 @@ def draft(view: MemberView, index: int, length: int, config: GenerationConfig, s
             if len(ids) >= length and not (text.endswith(REPLACEMENT_CHAR) and len(ids) < length + PARTIAL_CHAR_TOKENS):
                 break
             row = branch_step(state, token)
-    if grammar is not None:
-        grammar.restore(mark)  # the grammar follows the committed text, not this draft
     if end != "stop":
         text = decode_suffix(member.tokenizer, state.ids, ids) if ids else ""
-    if not shared:
-        text = text.lstrip()
-    if trim:
-        text = postprocess_segment(text, end is not None)
-    else:
-        text = text.replace(REPLACEMENT_CHAR, "")
-    return Candidate(index, text, end, len(ids))
+    return ids, end, text
 
 
 def candidate_ids(view: MemberView, shared: str, candidate: Candidate) -> tuple[list[int], bool]:

@@ -1,0 +1,195 @@
+"""Members as Ray actors (ensemble_core.remote), on a real two-node Ray cluster: no mocks.
+
+The cluster is ``ray.cluster_utils.Cluster`` with two nodes of one CPU each, each with a
+custom resource (``node_a`` / ``node_b``) that pins one bundled member to it. Greedy
+outputs must equal the local members' exactly; a member killed mid-generation must raise
+the typed error (never hang) and the next request must work after Ray restarts it; and
+100 requests must leave no decoding state behind in the actors.
+
+Ray is a dev dependency: a missing Ray fails this module, it is never skipped.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from ensemble_core import Ensemble, Member
+from ensemble_core.errors import ConfigurationError, MemberUnavailableError
+from ensemble_core.remote import RayMemberSpec, RayOptions, RemoteMember
+
+pytestmark = pytest.mark.real
+
+STORE = 80 * 2**20
+MEMBERS = ("smollm2-135m-instruct", "gemma3-270m")
+NODES = ("node_a", "node_b")
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "Translate 'good morning' into German.",
+    "def fibonacci(n):\n    # complete this Python function",
+    "Explain in one sentence why the sky is blue.",
+    [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "How many legs has a spider?"}],
+    "Quel est le plus long fleuve de France ?",
+    "What is 12 times 7?",
+    "Name a famous painting by Leonardo da Vinci and say where it hangs.",
+]
+SHORT = ["Hi!", "2+2?", "Say yes.", "Red or blue?", "Name a fruit.", "Hello there.", "Pick a number."]
+TOKENS = 24
+#: Generous: a bound, not a speed requirement (2 shared cores, an actor reloading its model).
+OPTIONS = RayOptions(call_timeout_s=120.0, start_timeout_s=300.0, max_restarts=2)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Cluster:
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {NODES[0]: 1}, "object_store_memory": STORE, "include_dashboard": False},
+    )
+    c.add_node(num_cpus=1, resources={NODES[1]: 1}, object_store_memory=STORE)
+    ray.init(address=c.address)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def remote_pair(cluster: Cluster) -> list[RemoteMember]:
+    ensemble = Ensemble([RayMemberSpec(m, resources={n: 1}) for m, n in zip(MEMBERS, NODES)], ray_options=OPTIONS)
+    yield ensemble.members
+    ensemble.close()
+
+
+def _texts(members: list[Member], method: str, prompts: list, tokens: int = TOKENS) -> list[tuple[str, str]]:
+    ensemble = Ensemble(members, method=method, max_new_tokens=tokens)
+    return [(r.text, r.finish_reason) for r in (ensemble.generate(p) for p in prompts)]
+
+
+def _both(local: list[Member], remote: list[Member], method: str, prompts: list) -> tuple[list, list]:
+    """Local references in a thread while the actors work (the driver's core is idle meanwhile)."""
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(_texts, local, method, prompts)
+        got = _texts(remote, method, prompts)
+        return reference.result(), got
+
+
+def test_members_sit_on_their_nodes(remote_pair: list[RemoteMember]) -> None:
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    for member, resource in zip(remote_pair, NODES):
+        assert resource in nodes[member.placed.info["node_id"]]
+    assert remote_pair[0].placed.info["node_id"] != remote_pair[1].placed.info["node_id"]
+    assert [m.vocab_size for m in remote_pair] == [49152, 262144]
+
+
+@pytest.mark.parametrize("method", ["safe", "specem", "every-token"])
+def test_greedy_outputs_identical_to_local(real_pair: list[Member], remote_pair: list[RemoteMember], method: str) -> None:
+    reference, got = _both(real_pair, remote_pair, method, PROMPTS)
+    assert got == reference
+    assert sum(bool(text) for text, _ in got) == len(PROMPTS)
+    assert [m.held_states() for m in remote_pair] == [0, 0]
+
+
+def test_streaming_and_adapters(real_pair: list[Member], remote_pair: list[RemoteMember]) -> None:
+    from langchain_ensemble import ChatEnsemble
+    from llama_index.llms.ensemble import EnsembleLLM
+
+    prompt = PROMPTS[1]
+    remote = Ensemble(remote_pair, method="safe", max_new_tokens=TOKENS)
+    expected = Ensemble(real_pair, method="safe", max_new_tokens=TOKENS).generate(prompt).text
+    stream = remote.stream(prompt)
+    chunks = list(stream)
+    assert len(chunks) > 1 and "".join(chunks) == stream.result.text == expected
+    chat = ChatEnsemble(ensemble=remote)
+    assert chat.invoke(prompt).content == expected
+    assert "".join(c.content for c in chat.stream(prompt)) == expected
+    llms = [EnsembleLLM(members=list(pair), method="safe", max_new_tokens=TOKENS) for pair in (real_pair, remote_pair)]
+    assert llms[1].complete(PROMPTS[0]).text == llms[0].complete(PROMPTS[0]).text
+    assert [m.held_states() for m in remote_pair] == [0, 0]
+
+
+def test_backend_option_and_errors(real_pair: list[Member], remote_pair: list[RemoteMember]) -> None:
+    with pytest.raises(ConfigurationError, match="prebuilt"):
+        Ensemble([remote_pair[0], real_pair[1]], backend="ray")
+    with pytest.raises(ConfigurationError, match="no member runs on Ray"):
+        Ensemble(real_pair, ray_options=OPTIONS)
+    assert Ensemble(remote_pair, backend="ray").members == remote_pair  # Ray members pass through
+    # the same placement is shared (like local weights); close() gives one share back
+    with Ensemble([RayMemberSpec(MEMBERS[0], resources={NODES[0]: 1})], method="single", ray_options=OPTIONS) as e:
+        assert e.members[0].link is remote_pair[0].link
+    assert remote_pair[0].held_states() == 0  # still alive: the fixture's share remains
+
+
+def _fail_mid_generation(ensemble: Ensemble, victim: RemoteMember) -> tuple[str, str, str, float]:
+    """Kill ``victim``'s actor after the first streamed chunk; return what the typed error said (not the
+    error itself: its traceback would keep the failed request, and so its states, alive)."""
+    stream = ensemble.stream(PROMPTS[5], max_new_tokens=64)
+    first = threading.Event()
+
+    def kill() -> None:
+        first.wait()
+        ray.kill(victim.link.handle, no_restart=False)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(MemberUnavailableError) as caught:
+            for _ in stream:
+                first.set()
+                t0 = time.perf_counter()
+    finally:
+        first.set()
+        killer.join()
+    error = caught.value
+    return error.member, error.node, str(error), time.perf_counter() - t0
+
+
+def test_actor_killed_mid_generation_raises_then_recovers(real_pair: list[Member], remote_pair: list[RemoteMember]) -> None:
+    ensemble = Ensemble(remote_pair, method="safe", max_new_tokens=TOKENS)
+    member, node, message, seconds = _fail_mid_generation(ensemble, remote_pair[1])
+    print(f"\nkilled member: typed error after {seconds:.2f} s: {message}")
+    assert member == MEMBERS[1] and node == remote_pair[1].link.node
+    assert "Retry" in message
+    gc.collect()  # the failed request's frames are gone: its surviving member's state is freed
+    assert remote_pair[0].held_states() == 0
+    t0 = time.perf_counter()
+    again = ensemble.generate(PROMPTS[0])  # waits for the restarted actor (it reloads its model)
+    print(f"next request after the restart: {time.perf_counter() - t0:.2f} s")
+    assert again.text == Ensemble(real_pair, method="safe", max_new_tokens=TOKENS).generate(PROMPTS[0]).text
+    assert [m.held_states() for m in remote_pair] == [0, 0]
+
+
+def test_no_state_leaks_over_100_requests(remote_pair: list[RemoteMember]) -> None:
+    ensemble = Ensemble(remote_pair, method="safe", max_new_tokens=4)
+    before = [m.actor_rss() for m in remote_pair]
+    for i in range(100):
+        prompt = SHORT[i % len(SHORT)]
+        if i % 10 == 9:  # cancelled after its first chunk
+            stream = ensemble.stream(prompt)
+            next(stream)
+            stream.cancel()
+            assert list(stream) == [] or stream.result is not None
+            del stream
+        else:
+            ensemble.generate(prompt)
+        assert [m.held_states() for m in remote_pair] == [0, 0], f"request {i}"
+    after = [m.actor_rss() for m in remote_pair]
+    for m, b, a in zip(remote_pair, before, after):
+        print(f"\n{m.name}: actor RSS {b / 2**20:.1f} MiB before, {a / 2**20:.1f} MiB after 100 requests")
+
+
+def test_missing_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ensemble_core.errors import MissingDependencyError
+    from ensemble_core.remote.cluster import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an installation without Ray looks like to `import ray`
+    with pytest.raises(MissingDependencyError, match=r"pip install 'tokensemble\[ray\]'"):
+        import_ray()
