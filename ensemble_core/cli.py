@@ -215,9 +215,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import BenchOptions, run_bench
+    from .bench import ALL_METHODS, BenchOptions, run_bench
 
     members = list(args.members or DEFAULT_MEMBERS)
+    if args.throughput:
+        from .bench.throughput import THROUGHPUT_METHODS, ThroughputOptions, run_throughput
+
+        methods = THROUGHPUT_METHODS if args.methods == list(ALL_METHODS) else tuple(args.methods)
+        out = Path(args.out if args.out != "results/bench" else "results/throughput")
+        run_throughput(ThroughputOptions(
+            methods=methods, members=tuple(members), concurrency=tuple(args.concurrency),
+            max_new_tokens=args.max_new_tokens if args.max_new_tokens != 256 else 64, dataset=args.dataset,
+            data_path=args.data_path, offset=args.offset, sequential_requests=args.sequential,
+            stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop, out=str(out), threads=args.threads,
+            warmup=not args.no_warmup, command="ensemble " + " ".join(shlex.quote(a) for a in args.argv)))
+        print((out / "throughput.md").read_text(encoding="utf-8"))
+        print(f"Results in {out.resolve()}")
+        return 0
     options = BenchOptions(
         dataset=args.dataset, data_path=args.data_path, limit=args.limit, offset=args.offset, shots=args.shots,
         methods=tuple(args.methods), members=tuple(members), devices=tuple(args.device or ()), dtype=args.dtype,
@@ -294,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; use 1 when other processes share the cores)")
+    p.add_argument("--throughput", action="store_true",
+                   help="instead: total tokens/s of concurrent requests (batched) vs one after another "
+                        "(default methods single, safe, specem; 64 new tokens; see bench.throughput)")
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8, 16],
+                   help="--throughput: numbers of concurrent requests to measure")
+    p.add_argument("--sequential", type=int, default=None,
+                   help="--throughput: prompts run one after another for the baseline (default: the largest concurrency)")
     p.set_defaults(func=cmd_bench)
     add_serve_parser(sub)  # ``ensemble serve``; FastAPI is imported only when it runs
     return parser

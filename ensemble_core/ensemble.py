@@ -13,10 +13,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from .batching import batching_config
 from .chat import Prompt
 from .errors import ConfigurationError, InvalidOptionError, NoMembersError
 from .generation import EnsembleMethod, GenerationResult, GenerationStream
 from .members import Member, MemberSpec
+from .remote import RayMemberSpec, RayOptions, RemoteMember
 
 #: method name → "module:Class". Imported lazily so a method's module loads only when used.
 METHODS: dict[str, str] = {
@@ -28,7 +30,8 @@ METHODS: dict[str, str] = {
 }
 DEFAULT_MEMBERS = ("smollm2-135m-instruct", "gemma3-270m")
 
-MemberLike = Any  # str | PathLike | MemberSpec | Member | tuple[model, tokenizer]
+MemberLike = Any  # str | PathLike | MemberSpec | RayMemberSpec | Member | tuple[model, tokenizer]
+BACKENDS = ("local", "ray")
 
 
 def method_class(name: str) -> type[EnsembleMethod]:
@@ -42,10 +45,12 @@ def method_class(name: str) -> type[EnsembleMethod]:
         raise ConfigurationError(f"The method {name!r} is not available in this installation: {exc}") from exc
 
 
-def resolve_member(item: MemberLike, **options: Any) -> Member:
-    """Turn any accepted member description into a :class:`Member`."""
+def resolve_member(item: MemberLike, ray_options: RayOptions | dict | None = None, **options: Any) -> Member:
+    """Turn any accepted member description into a :class:`Member` (a :class:`RayMemberSpec` into a Ray member)."""
     if isinstance(item, Member):
         return item
+    if isinstance(item, RayMemberSpec):
+        return RemoteMember.load(item, ray_options, **options)  # Ray is imported only now
     if isinstance(item, MemberSpec):
         return Member.load(item)
     if isinstance(item, tuple) and len(item) == 2:
@@ -61,18 +66,60 @@ def resolve_member(item: MemberLike, **options: Any) -> Member:
     )
 
 
-def resolve_members(items: Sequence[MemberLike] | None, need: int = 1, **options: Any) -> list[Member]:
-    """Every member of ``items`` (None: the bundled pair); fewer than ``need`` raises :class:`NoMembersError`."""
+def on_ray(item: MemberLike, **options: Any) -> RayMemberSpec | RemoteMember:
+    """The :class:`RayMemberSpec` for a member description under ``backend="ray"`` (default placement)."""
+    if isinstance(item, (RayMemberSpec, RemoteMember)):
+        return item
+    if isinstance(item, dict):
+        return RayMemberSpec(MemberSpec(**{**options, **item}))
+    if isinstance(item, (str, MemberSpec)) or hasattr(item, "__fspath__"):
+        return RayMemberSpec(item if isinstance(item, MemberSpec) else MemberSpec(source=str(item), **options))
+    raise ConfigurationError(
+        f"backend='ray' cannot place a prebuilt {type(item).__name__}: its weights live in this process. Pass its "
+        "alias, path, hub id or MemberSpec (the actor loads it on its node), or a RayMemberSpec."
+    )
+
+
+def resolve_members(items: Sequence[MemberLike] | None, need: int = 1, backend: str = "local",
+                    ray_options: RayOptions | dict | None = None, **options: Any) -> list[Member]:
+    """Every member of ``items`` (None: the bundled pair); fewer than ``need`` raises :class:`NoMembersError`.
+
+    ``backend="ray"`` places every member on its own Ray actor (:mod:`ensemble_core.remote`);
+    with the default ``"local"`` only :class:`RayMemberSpec` items are. If one member fails
+    to load, the Ray members already placed are released again.
+    """
     if items is None:
         items = DEFAULT_MEMBERS
-    if isinstance(items, (str, Member, MemberSpec)):
+    if isinstance(items, (str, Member, MemberSpec, RayMemberSpec)):
         items = [items]
     if not isinstance(items, (list, tuple)):
         raise ConfigurationError(f"members must be a list, got {type(items).__name__}: pass members=[...].")
     items = list(items)
     if len(items) < need:
         raise NoMembersError(len(items), need)
-    return [resolve_member(item, **options) for item in items]
+    if backend not in BACKENDS:
+        raise InvalidOptionError("backend", backend, "one of " + ", ".join(BACKENDS))
+    if backend == "ray":
+        items = [on_ray(item, **options) for item in items]
+        options = {}
+    elif ray_options is not None and not any(isinstance(item, (RayMemberSpec, RemoteMember)) for item in items):
+        raise ConfigurationError("ray_options was given but no member runs on Ray: pass backend='ray' or RayMemberSpec members.")
+    members: list[Member] = []
+    try:
+        for item in items:
+            members.append(resolve_member(item, ray_options, **options))
+    except BaseException:
+        release_members(members)
+        raise
+    return members
+
+
+def release_members(members: Sequence[Member]) -> None:
+    """Give back the Ray actors of ``members`` (local members keep their cached weights)."""
+    for m in members:
+        release = getattr(m, "release", None)
+        if release is not None:
+            release()
 
 
 class Ensemble:
@@ -80,18 +127,34 @@ class Ensemble:
 
     Extra keyword arguments are the method's config fields (``max_new_tokens``,
     ``lookahead``, ``segment_length``, ...); ``member_options`` (dtype, device,
-    device_map, ...) apply to members given by name.
+    device_map, ...) apply to members given by name. ``batching`` (on by default; ``False``,
+    a dict or a :class:`~ensemble_core.batching.BatchingConfig`) lets concurrent requests
+    share forward passes (:mod:`ensemble_core.batching`). ``backend="ray"`` runs every
+    member in its own Ray actor; ``ray_options`` (:class:`RayOptions` or a dict of its
+    fields) says how to reach Ray and what each member takes; :class:`RayMemberSpec`
+    members place single members (docs/scaling.md). :meth:`close` gives the actors back.
     """
 
     def __init__(self, members: Sequence[MemberLike] | None = None, method: str = "safe",
-                 member_options: dict[str, Any] | None = None, **config: Any) -> None:
+                 member_options: dict[str, Any] | None = None, batching: Any = None, backend: str = "local",
+                 ray_options: RayOptions | dict | None = None, **config: Any) -> None:
         cls = method_class(method)
-        self.members = resolve_members(members, need=cls.min_members, **(member_options or {}))
-        if len(self.members) < cls.min_members:
-            raise NoMembersError(len(self.members), cls.min_members)
+        self.members = resolve_members(members, need=cls.min_members, backend=backend, ray_options=ray_options,
+                                       **(member_options or {}))
+        given = list(members) if isinstance(members, (list, tuple)) else [members]
+        #: Members this ensemble built (Ray actors it holds a share of); prebuilt ones stay their owner's.
+        self._owned = [m for m in self.members if not any(m is item for item in given)]
+        try:
+            if len(self.members) < cls.min_members:
+                raise NoMembersError(len(self.members), cls.min_members)
+            self.method: EnsembleMethod = cls(self.members, **config)
+            self.method.set_batching(batching_config(batching))
+        except BaseException:
+            release_members(self._owned)
+            raise
         self.method_name = method
-        self.method: EnsembleMethod = cls(self.members, **config)
-        #: Serialises rounds of concurrent requests (see ``runtime.Run``): one method step at a time.
+        self.backend = backend
+        #: Serialises rounds of concurrent requests when batching is off (see ``runtime.Run``).
         self.lock = threading.Lock()
 
     @property
@@ -114,6 +177,19 @@ class Ensemble:
 
     def batch(self, prompts: Sequence[Prompt], **overrides: Any) -> list[GenerationResult]:
         return self.method.batch(prompts, **overrides)
+
+    def close(self) -> None:
+        """Give back the Ray actors of the members this ensemble built (idempotent; local weights stay cached).
+
+        Members passed in as objects (``Ensemble(other.members, ...)``) belong to whoever built them.
+        """
+        release_members(self._owned)
+
+    def __enter__(self) -> Ensemble:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"Ensemble({self.name})"

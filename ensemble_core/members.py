@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import alignment
+from . import alignment, batching
 from .bundled import BUNDLED, convert_gguf
 from .cache import can_crop_exactly, crop, new_cache
 from .chat import FALLBACK_STOPS, Prompt, normalize_messages, render_chat, reply_lead, template_supports_tools
@@ -333,6 +333,9 @@ class DecodeState:
         self._fed_since_crop = 0
         self._last_row: torch.Tensor | None = None
         self.stats = DecodeStats()
+        #: The batcher of the request that created this state (None: every pass runs alone);
+        #: see :mod:`ensemble_core.batching`.
+        self.batch: batching.Binding | None = batching.current()
 
     @property
     def response_ids(self) -> list[int]:
@@ -359,11 +362,8 @@ class DecodeState:
         if reuse_last and self._last_row is None:
             raise InputError(f"Member {self.member.name!r} has no context to score from.")
         t0 = time.perf_counter()
-        model = self.member.model
-        input_ids = torch.tensor([pending], dtype=torch.long, device=self.member.device)
         keep = min(len(pending), want)
-        out = model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
-        rows = out.logits[0, -keep:].float()
+        rows = batching.run_job(self.batch, self.member, self._job(pending, keep))
         if reuse_last:
             rows = torch.cat([self._last_row.to(rows.device).unsqueeze(0), rows], dim=0)
         self.cached = len(self.ids)
@@ -373,6 +373,17 @@ class DecodeState:
         self.stats.tokens_fed += len(pending)
         self.stats.seconds += time.perf_counter() - t0
         return rows
+
+    def _job(self, pending: list[int], keep: int) -> batching.Job:
+        """The forward pass of ``pending`` on this state's cache, keeping the last ``keep`` rows."""
+        model, device, cache = self.member.model, self.member.device, self.cache
+
+        def direct() -> torch.Tensor:
+            input_ids = torch.tensor([pending], dtype=torch.long, device=device)
+            out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep)
+            return out.logits[0, -keep:].float()
+
+        return batching.causal_job(cache, pending, range(len(pending) - keep, len(pending)), direct, device)
 
     def crop(self, n: int) -> None:
         """Keep the first ``n`` ids (``1 <= n <= len``), dropping the rest and their cache.

@@ -3,7 +3,8 @@
 LangChain and LlamaIndex build model objects freely (a chain per request, ``model_copy``,
 a fresh instance per standard test). Both adapters go through this module, so that
 identical descriptions share one :class:`~ensemble_core.Ensemble` (and its weights) in a
-process, generations on one ensemble take turns round by round, and sync, async,
+process, concurrent generations on one ensemble share forward passes (batching, the
+default) or take turns round by round, and sync, async,
 streaming, timeout and cancellation behave the same in every framework. The message
 policy is :mod:`ensemble_core.chat`'s; the option policy is here (:func:`call_overrides`):
 
@@ -243,9 +244,11 @@ def clear_shared() -> None:
 class Run:
     """One generation on a (shared) ensemble: iterate for text deltas; ``result`` at the end.
 
-    Options are validated at construction. The ensemble's lock is held for each *round*
-    (one step of the core stream), not for the whole generation: concurrent requests
-    interleave round by round, and a stream abandoned half-way blocks nobody. ``timeout``
+    Options are validated at construction. With batching on (the default) concurrent runs
+    step at the same time and share forward passes (:mod:`ensemble_core.batching`);
+    otherwise the ensemble's lock is held for each *round* (one step of the core stream),
+    not for the whole generation: concurrent requests interleave round by round. Either
+    way a stream abandoned half-way blocks nobody. ``timeout``
     sets the cancel event from a timer and the run then raises :class:`GenerationTimeout`;
     a run cancelled before its first round raises :class:`GenerationCancelled`; a run
     cancelled later ends with ``finish_reason == "cancelled"``.
@@ -284,8 +287,20 @@ class Run:
             timer.daemon = True
             timer.start()
         lock, deltas, started = self.ensemble.lock, iter(self.stream), False
+        batched = getattr(self.ensemble.method, "batcher", None) is not None
         try:
             while True:
+                if batched:  # requests run concurrently and share forward passes (ensemble_core.batching)
+                    if self.cancelled and not started:
+                        if self.timed_out:
+                            raise GenerationTimeout(self.timeout or 0.0)
+                        raise GenerationCancelled("The generation was cancelled while waiting to start.")
+                    started = True
+                    delta = next(deltas, None)
+                    if delta is None:
+                        break
+                    yield delta
+                    continue
                 while not lock.acquire(timeout=LOCK_POLL_S):
                     if self.cancelled and not started:
                         if self.timed_out:

@@ -39,8 +39,10 @@ from typing import Any
 
 import torch
 
+from . import batching
 from .errors import InputError, UnsupportedAttentionError, UnsupportedModelError
 from .members import DecodeState, Member
+from .rows import delegate
 
 #: Attention implementations that add a custom 4-D float mask to the scores.
 MASK_HONOURING_ATTENTION = ("sdpa", "eager")
@@ -124,13 +126,34 @@ def cache_branch(state: DecodeState) -> Iterator[None]:
                 layer.cumulative_length = cumulative
 
 
-def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    """One forward pass of ``ids`` on the state's cache (inside a branch); float32 logits rows."""
+def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | torch.Tensor,
+             layout: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+    """One forward pass of ``ids`` on the state's cache (inside a branch); float32 logits rows.
+
+    ``layout`` (position ids, new-token visibility; see :func:`packed_layout`) describes a
+    pass with custom ``kwargs`` masks to the batcher; without it the ids are causal after
+    the cache. In a batched request the pass is shared with other requests' rows
+    (:mod:`ensemble_core.batching`).
+    """
     t0 = time.perf_counter()
     member = state.member
-    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=member.device)
-    out = member.model(input_ids=input_ids, cache=state.cache, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
-    rows = out.logits[0].float()
+    cache = state.cache
+
+    def direct() -> torch.Tensor:
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=member.device)
+        out = member.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+        return out.logits[0].float()
+
+    n = len(ids)
+    if isinstance(logits_to_keep, int):
+        keep = list(range(n - logits_to_keep, n))
+    else:
+        keep = [int(i) for i in logits_to_keep.tolist()]
+    if layout is None:
+        job = batching.causal_job(cache, ids, keep, direct, member.device)
+    else:
+        job = batching.Job(cache, [int(i) for i in ids], layout[0], layout[1], keep, direct)
+    rows = batching.run_job(state.batch, member, job)
     state.stats.forward_passes += 1
     state.stats.tokens_fed += len(ids)
     state.stats.seconds += time.perf_counter() - t0
@@ -152,6 +175,21 @@ def _window(state: DecodeState, layer_idx: int) -> int:
     return int(window)
 
 
+def packed_layout(lengths: Sequence[int], context: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids and new-token visibility (``own[i, j]``) of candidates packed after ``context`` ids.
+
+    Positions restart at the context length for every candidate; a token sees the earlier
+    tokens of its own candidate only. Shared by :func:`packed_masks` and the batcher.
+    """
+    n = int(sum(lengths))
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                  torch.tensor(list(lengths), device=device))
+    offsets = torch.cat([torch.arange(k, device=device) for k in lengths])
+    idx = torch.arange(n, device=device)
+    own = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+    return context + offsets, own
+
+
 def packed_masks(state: DecodeState, lengths: Sequence[int]) -> tuple[Any, torch.Tensor]:
     """Attention mask(s) and position ids for candidates of ``lengths`` packed after the cached context.
 
@@ -162,12 +200,7 @@ def packed_masks(state: DecodeState, lengths: Sequence[int]) -> tuple[Any, torch
     dtype = model.dtype if model.dtype.is_floating_point else torch.float32
     n = int(sum(lengths))
     context = state.cache.get_seq_length()
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                  torch.tensor(list(lengths), device=device))
-    offsets = torch.cat([torch.arange(k, device=device) for k in lengths])
-    q_pos = context + offsets  # positions restart at the context length for every candidate
-    idx = torch.arange(n, device=device)
-    own = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+    q_pos, own = packed_layout(lengths, context, device)
     types = layer_types(model)
     masks: dict[str, torch.Tensor] = {}
     for kind in dict.fromkeys(types):
@@ -247,8 +280,12 @@ def score_candidates_inline(state: DecodeState, candidates: Sequence[Sequence[in
     the score of ending right after the candidate (log of the total EOS probability for
     ``kind="logprob"``, the best EOS logit for ``"logit"``). Returns one 1-D float tensor
     per candidate (empty for an empty, non-terminal candidate). The state's ids and cache
-    are unchanged afterwards (pending ids, if any, are committed first).
+    are unchanged afterwards (pending ids, if any, are committed first). A state whose model
+    runs elsewhere scores next to its cache and ships only the per-token scores.
     """
+    own = delegate(state, "score_candidates_inline")
+    if own is not None:
+        return own(candidates, kind, terminal)
     ends = _check_candidates(state, candidates, terminal, kind)
     row0 = state.score()[-1]  # the context's last row: predicts every candidate's first token
     eos = sorted(state.member.eos_token_ids)
@@ -269,9 +306,10 @@ def score_candidates_inline(state: DecodeState, candidates: Sequence[Sequence[in
         if keep:
             with cache_branch(state):
                 mask, positions = packed_masks(state, [lengths[i] for i in live])
+                layout = packed_layout([lengths[i] for i in live], state.cache.get_seq_length(), state.member.device)
                 packed = [int(t) for i in live for t in candidates[i]]
                 index = torch.tensor(keep, dtype=torch.long, device=state.member.device)
-                out = _forward(state, packed, index, attention_mask=mask, position_ids=positions)
+                out = _forward(state, packed, index, layout, attention_mask=mask, position_ids=positions)
             rows_at = {p: out[j] for j, p in enumerate(keep)}
         for i in group:
             n = lengths[i]

@@ -1,10 +1,12 @@
 """Where the server starts generations, and what it counts about them.
 
-:meth:`Engine.start` is the **one** place a request becomes a generation. Today it builds a
-:class:`ServedRun` (a :class:`~ensemble_core.runtime.Run`: one worker thread per request,
-the ensemble's lock held per round, so concurrent requests interleave round by round). A
-batch scheduler (several requests in one forward pass) replaces this method and nothing
-else; the app only uses the :class:`Generation` interface:
+:meth:`Engine.start` is the **one** place a request becomes a generation. It builds a
+:class:`ServedRun` (a :class:`~ensemble_core.runtime.Run`: one worker thread per request).
+With the ensemble's batching on (the default, :mod:`ensemble_core.batching`) concurrent
+requests step at the same time and their rows share each member's forward passes
+(continuous batching: a new request joins at the next pass, a finished or disconnected
+one stops submitting); with ``batching=False`` the ensemble's lock is held per round and
+requests interleave round by round. The app only uses the :class:`Generation` interface:
 
 * ``astream()``: an async iterator of text deltas; closing it early, or cancelling the task
   that awaits it, cancels the generation;

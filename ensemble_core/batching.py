@@ -1,0 +1,548 @@
+"""Batched decoding across concurrent requests: one forward pass per member for many rows.
+
+Decode on a CPU (and on a small GPU model) is memory-bound: a SmolLM2-135M float32 step
+reads ~540 MB of weights whatever the number of rows it computes. So requests that run at
+the same time should share their forward passes. Methods (SAFE, SpecEM, the baselines)
+stay per-request code; batching happens one level down, where every model call goes
+through :class:`~ensemble_core.members.DecodeState` (``score``) or
+:mod:`~ensemble_core.verify_inline` (``_forward``: draft steps on a cache branch, packed
+candidate scoring). Each call becomes a :class:`Job`; a request's thread submits it to the
+method's :class:`Batcher` and blocks until its rows come back.
+
+When to run (the flush rule). A request is a :class:`Participant`; it is *active* while
+its thread runs a method step. The batcher runs everything queued as soon as every live
+participant has a job waiting (nobody else can still add a row), or when the oldest job
+has waited ``max_wait_ms`` (a participant busy elsewhere, e.g. building a token table,
+never stalls the others for long; nothing can deadlock). A request that finishes, is
+cancelled or sits between two steps of a slow stream consumer is simply not active, and
+one that starts joins at the next flush: continuous batching for free.
+
+How to run (:func:`batched_forward`). Jobs of one model are grouped by length (padding
+wastes compute: :func:`plan_groups`); a group of one row runs the member's ordinary,
+unbatched forward (so a lone request is bit-identical to unbatched decoding). A larger
+group gathers every row's KV cache into a left-padded batch cache, right-pads the new ids,
+passes explicit per-row position ids and a custom 4-D additive mask per layer type (the
+same mechanism as :func:`~ensemble_core.verify_inline.packed_masks`): a query sees its
+row's real cached keys, the new keys its job allows (causal, or the packed-candidate
+block structure) and, on sliding-window layers, only keys less than ``window`` positions
+back. Afterwards each row's new keys/values are appended to its own cache with the
+layer's own ``update`` (so sliding-layer bookkeeping stays exactly as unbatched).
+Everything is exact in arithmetic; only floating-point summation order differs from the
+1-row pass (see ``docs/benchmarks.md``, "Batching"). A cache we cannot gather exactly (a
+layer type other than :class:`DynamicLayer` / :class:`DynamicSlidingWindowLayer`, a
+sliding layer that no longer holds its window) makes that group fall back to per-row
+passes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import InvalidOptionError
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """How concurrent requests share forward passes.
+
+    ``enabled``: on by default (a lone request runs the unbatched pass, so single-caller
+    outputs are unchanged). ``max_batch_rows``: rows per member per forward pass (more
+    wait for the next pass; also the number of worker threads of ``Ensemble.batch``).
+    ``max_wait_ms``: the longest a queued row waits for requests still busy elsewhere
+    before its pass runs without them. ``max_pad_ratio``: rows of very different lengths
+    (a 300-token prefill next to one-token decode steps) go to separate passes when
+    padding would more than multiply the tokens computed by this ratio.
+    """
+
+    enabled: bool = True
+    max_batch_rows: int = 16
+    max_wait_ms: float = 20.0
+    max_pad_ratio: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise InvalidOptionError("batching.enabled", self.enabled, "True or False")
+        rows = self.max_batch_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise InvalidOptionError("batching.max_batch_rows", rows, "an integer >= 1")
+        wait = self.max_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 10_000:
+            raise InvalidOptionError("batching.max_wait_ms", wait, "a number of milliseconds in [0, 10000]")
+        ratio = self.max_pad_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 1:
+            raise InvalidOptionError("batching.max_pad_ratio", ratio, "a number >= 1")
+
+
+def batching_config(value: Any) -> BatchingConfig:
+    """``Ensemble(batching=...)``: None/True → defaults, False → off, a dict → fields, or a config."""
+    if value is None or value is True:
+        return BatchingConfig()
+    if value is False:
+        return BatchingConfig(enabled=False)
+    if isinstance(value, BatchingConfig):
+        return value
+    if isinstance(value, dict):
+        return BatchingConfig(**value)
+    raise InvalidOptionError("batching", value, "True, False, a dict of BatchingConfig fields or a BatchingConfig")
+
+
+# ----------------------------------------------------------------------------- jobs
+@dataclass(eq=False)
+class Job:
+    """One model call of one request: ``ids`` fed on ``cache``, logits wanted at ``keep``.
+
+    ``positions`` are the true position ids of ``ids``; ``block[i, j]`` says whether new
+    token ``i`` may attend to new token ``j`` (lower-triangular for ordinary decoding).
+    ``direct`` runs the very same call unbatched (used for a group of one and as the
+    fallback). The result is a float ``[len(keep), V]`` tensor.
+    """
+
+    cache: Any
+    ids: list[int]
+    positions: torch.Tensor
+    block: torch.Tensor
+    keep: list[int]
+    direct: Callable[[], torch.Tensor]
+    participant: Participant | None = None
+    queued_at: float = 0.0
+    done: bool = False
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Callable[[], torch.Tensor],
+               device: Any) -> Job:
+    """A job for ids appended after everything in ``cache`` (ordinary incremental decoding)."""
+    n = len(ids)
+    start = int(cache.get_seq_length())
+    block = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return Job(cache, [int(i) for i in ids], start + torch.arange(n, device=device), block, list(keep), direct)
+
+
+@dataclass
+class Participant:
+    """One request as the batcher sees it: active while its thread runs a step."""
+
+    active: int = 0
+    waiting: int = 0
+
+
+@dataclass
+class BatcherStats:
+    """What the batcher did: model calls made, rows served, and how many calls held several rows."""
+
+    model_calls: int = 0
+    batched_calls: int = 0
+    rows: int = 0
+    fallback_rows: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    max_rows: int = 0
+    calls_by_member: dict[str, int] = field(default_factory=dict)
+    rows_by_member: dict[str, int] = field(default_factory=dict)
+    seconds_by_member: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model_calls": self.model_calls, "batched_calls": self.batched_calls, "rows": self.rows,
+                "fallback_rows": self.fallback_rows, "real_tokens": self.real_tokens,
+                "padded_tokens": self.padded_tokens, "max_rows": self.max_rows,
+                "calls_by_member": dict(self.calls_by_member), "rows_by_member": dict(self.rows_by_member),
+                "seconds_by_member": dict(self.seconds_by_member)}
+
+
+# ----------------------------------------------------------------------------- the thread's binding
+@dataclass(frozen=True)
+class Binding:
+    """The batcher and participant a decoding state submits its jobs to."""
+
+    batcher: Batcher
+    participant: Participant
+
+    def run(self, member: Any, job: Job) -> torch.Tensor:
+        return self.batcher.submit(member, self.participant, job)
+
+
+_LOCAL = threading.local()
+
+
+@contextmanager
+def bound(binding: Binding | None) -> Iterator[None]:
+    """Decoding states created in this thread now submit to ``binding`` (None: no change)."""
+    if binding is None:
+        yield
+        return
+    previous = getattr(_LOCAL, "binding", None)
+    _LOCAL.binding = binding
+    try:
+        yield
+    finally:
+        _LOCAL.binding = previous
+
+
+def current() -> Binding | None:
+    """The binding of the request running in this thread (None: decode unbatched)."""
+    return getattr(_LOCAL, "binding", None)
+
+
+def run_job(binding: Binding | None, member: Any, job: Job) -> torch.Tensor:
+    """Run ``job`` now (no binding) or through the request's batcher."""
+    if binding is None:
+        return job.direct()
+    return binding.run(member, job)
+
+
+# ----------------------------------------------------------------------------- the batcher
+class Batcher:
+    """Per-ensemble scheduler: one queue per model, flushed by whichever waiting thread sees it ready.
+
+    There is no scheduler thread: the thread whose job completes the condition (or whose
+    job waited ``max_wait_ms``) runs the forward passes for everybody, one model after the
+    other, while holding no lock; the others sleep on a condition variable.
+    """
+
+    def __init__(self, config: BatchingConfig | None = None) -> None:
+        self.config = config or BatchingConfig()
+        self.stats = BatcherStats()
+        self._cond = threading.Condition()
+        self._queues: dict[int, tuple[Any, list[Job]]] = {}
+        self._participants: dict[int, Participant] = {}
+        self._flushing = False
+
+    # ---------------------------------------------------------------- requests
+    def join(self) -> Participant:
+        """A new request, active from now on (a stream joins when it starts)."""
+        participant = Participant(active=1)
+        with self._cond:
+            self._participants[id(participant)] = participant
+        return participant
+
+    def pause(self, participant: Participant) -> None:
+        """The request waits for its consumer (a stream at a ``yield``): do not wait for it."""
+        with self._cond:
+            participant.active = 0
+            self._forget(participant)
+            self._cond.notify_all()  # the others may have been waiting for this one only
+
+    def resume(self, participant: Participant) -> None:
+        with self._cond:
+            participant.active = 1
+            self._participants[id(participant)] = participant
+
+    def leave(self, participant: Participant) -> None:
+        """The request is finished (or abandoned)."""
+        self.pause(participant)
+
+    def live(self) -> int:
+        """How many requests are running now (active or with a pass queued)."""
+        with self._cond:
+            return len(self._participants)
+
+    def _forget(self, participant: Participant) -> None:
+        if participant.active <= 0 and participant.waiting <= 0:
+            self._participants.pop(id(participant), None)
+
+    # ---------------------------------------------------------------- submitting
+    def submit(self, member: Any, participant: Participant, job: Job) -> torch.Tensor:
+        """Queue ``job`` and block until its rows are computed (by this thread or another)."""
+        max_wait = self.config.max_wait_ms / 1000.0
+        with self._cond:
+            job.participant, job.queued_at = participant, time.perf_counter()
+            participant.waiting += 1
+            self._participants[id(participant)] = participant
+            self._queues.setdefault(id(member.model), (member, []))[1].append(job)
+            while not job.done:
+                if not self._flushing:
+                    taken = self._ready(max_wait)
+                    if taken:
+                        self._flush(taken)
+                        continue
+                oldest = min((j.queued_at for _, q in self._queues.values() for j in q), default=None)
+                timeout = max_wait if oldest is None else max(oldest + max_wait - time.perf_counter(), 1e-4)
+                self._cond.wait(timeout)
+        if job.error is not None:
+            raise job.error
+        assert job.result is not None
+        return job.result
+
+    def _ready(self, max_wait: float) -> list[tuple[Any, list[Job]]]:
+        """The jobs to run now (up to ``max_batch_rows`` per model), or [] to keep waiting."""
+        queued = [(m, q) for m, q in self._queues.values() if q]
+        if not queued:
+            return []
+        everyone = all(p.waiting > 0 for p in self._participants.values())
+        oldest = min(j.queued_at for _, q in queued for j in q)
+        if not everyone and time.perf_counter() - oldest < max_wait:
+            return []
+        rows = self.config.max_batch_rows
+        taken = []
+        for member, queue in queued:
+            taken.append((member, queue[:rows]))
+            del queue[:rows]
+        return taken
+
+    def _flush(self, taken: list[tuple[Any, list[Job]]]) -> None:
+        """Run the taken jobs without the lock (called and returning with it held)."""
+        self._flushing = True
+        self._cond.release()
+        try:
+            for member, jobs in taken:
+                self._run_member(member, jobs)
+        finally:
+            self._cond.acquire()
+            self._flushing = False
+            for _, jobs in taken:
+                for job in jobs:
+                    if job.result is None and job.error is None:
+                        job.error = RuntimeError("The batched forward pass was interrupted.")
+                    job.done = True
+                    p = job.participant
+                    if p is not None:
+                        p.waiting -= 1
+                        self._forget(p)
+            self._cond.notify_all()
+
+    def _run_member(self, member: Any, jobs: list[Job]) -> None:
+        with torch.inference_mode():
+            for group in plan_groups([len(j.ids) for j in jobs], self.config.max_pad_ratio):
+                self._run_group(member, [jobs[i] for i in group])
+
+    def _run_group(self, member: Any, jobs: list[Job]) -> None:
+        stats = self.stats
+        t0 = time.perf_counter()
+        results: list[torch.Tensor] | None = None
+        if len(jobs) > 1:
+            try:
+                results = batched_forward(member.model, jobs)
+            except Exception:  # noqa: BLE001 - an unexpected layout: fall back to exact per-row passes
+                results = None
+        if results is not None:
+            for job, rows in zip(jobs, results):
+                job.result = rows
+            stats.batched_calls += 1
+            calls = 1
+            width = max(len(j.ids) for j in jobs)
+            stats.padded_tokens += width * len(jobs)
+        else:
+            calls = 0
+            for job in jobs:
+                try:
+                    job.result = job.direct()
+                except Exception as exc:  # handed to the request's own thread
+                    job.error = exc
+                calls += 1
+            stats.fallback_rows += len(jobs) if len(jobs) > 1 else 0
+            stats.padded_tokens += sum(len(j.ids) for j in jobs)
+        stats.model_calls += calls
+        stats.rows += len(jobs)
+        stats.real_tokens += sum(len(j.ids) for j in jobs)
+        stats.max_rows = max(stats.max_rows, len(jobs) if results is not None else 1)
+        name = member.name
+        stats.calls_by_member[name] = stats.calls_by_member.get(name, 0) + calls
+        stats.rows_by_member[name] = stats.rows_by_member.get(name, 0) + len(jobs)
+        stats.seconds_by_member[name] = stats.seconds_by_member.get(name, 0.0) + time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- pure helpers
+def plan_groups(lengths: Sequence[int], max_pad_ratio: float) -> list[list[int]]:
+    """Indices of rows to run together: sorted by length, a group grows while padding stays cheap.
+
+    A row joins the current group when the padded token count ``rows * longest`` stays
+    within ``max_pad_ratio`` times the real tokens (plus a few: short rows are nearly free
+    in a memory-bound pass). A long prefill therefore runs on its own, next to a batch of
+    one-token decode steps, instead of padding all of them to its length.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        n = lengths[i]
+        if groups and (len(groups[-1]) + 1) * n <= max_pad_ratio * (real + n) + 8:
+            groups[-1].append(i)
+            real += n
+        else:
+            groups.append([i])
+            real = n
+    return groups
+
+
+def _text_config(model: Any) -> Any:
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def model_layer_types(model: Any) -> list[str]:
+    """Attention type of every decoder layer (``full_attention`` when the config says nothing)."""
+    from .verify_inline import layer_types
+
+    return layer_types(model)
+
+
+@dataclass(frozen=True)
+class _RowLayout:
+    """Where one row's cached keys sit: ``context`` ids cached, ``visible[t]`` of them exposed to layer type t."""
+
+    context: int
+    visible: dict[str, int]
+
+
+def _row_layout(cache: Any, types: Sequence[str], window: int | None) -> _RowLayout | None:
+    """How many cached keys each layer type exposes for this row, or None when it cannot be gathered."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or len(layers) != len(types):
+        return None
+    context = int(cache.get_seq_length())
+    visible: dict[str, int] = {}
+    for layer, kind in zip(layers, types):
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            return None
+        filled = getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.dim() == 4
+        stored = int(layer.keys.shape[-2]) if filled else 0
+        if filled and layer.keys.shape[0] != 1:
+            return None
+        if kind == "sliding_attention":
+            if not window:
+                return None
+            need = min(context, window - 1)
+            if stored < need:
+                return None  # the window's states are gone: only the model's own pass is exact
+            n = need
+        elif kind == "full_attention":
+            if stored != context:
+                return None
+            n = context
+        else:
+            return None
+        if visible.setdefault(kind, n) != n:
+            return None
+    return _RowLayout(context, visible)
+
+
+def _sliding_window(model: Any) -> int | None:
+    window = getattr(_text_config(model), "sliding_window", None)
+    return int(window) if window else None
+
+
+def _padded(tensors: Sequence[torch.Tensor | None], counts: Sequence[int], width: int,
+            like: torch.Tensor) -> torch.Tensor:
+    """``[B, H, width, D]``: each row's last ``counts[r]`` states, right-aligned (left padding)."""
+    out = like.new_zeros((len(tensors), like.shape[1], width, like.shape[3]))
+    for r, (t, n) in enumerate(zip(tensors, counts)):
+        if n:
+            out[r, :, width - n:] = t[0, :, -n:]
+    return out
+
+
+def _masks(jobs: Sequence[Job], layouts: Sequence[_RowLayout], types: Sequence[str], widths: dict[str, int],
+           width_new: int, window: int | None, dtype: torch.dtype, device: Any) -> Any:
+    """One additive ``[B, 1, N, K + N]`` mask per layer type (a single tensor for one-type models)."""
+    masks: dict[str, torch.Tensor] = {}
+    fill = torch.finfo(dtype).min
+    for kind in dict.fromkeys(types):
+        k = widths[kind]
+        allowed = torch.zeros(len(jobs), width_new, k + width_new, dtype=torch.bool, device=device)
+        for r, (job, lay) in enumerate(zip(jobs, layouts)):
+            n, v = len(job.ids), lay.visible[kind]
+            q = job.positions.to(device)
+            k_pos = lay.context - v + torch.arange(v, device=device)
+            ctx_ok = k_pos[None, :] <= q[:, None]
+            new_ok = job.block.to(device)
+            if kind == "sliding_attention":
+                assert window is not None
+                ctx_ok = ctx_ok & ((q[:, None] - k_pos[None, :]) < window)
+                new_ok = new_ok & ((q[:, None] - q[None, :]) < window)
+            allowed[r, :n, k - v:k] = ctx_ok
+            allowed[r, :n, k:k + n] = new_ok
+            pads = torch.arange(n, width_new, device=device)
+            allowed[r, pads, k + pads] = True  # padding queries see themselves (no all-masked row)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, fill)
+        masks[kind] = mask[:, None]
+    return masks[types[0]] if len(masks) == 1 else masks
+
+
+#: Causal-LM classes whose head is exactly ``lm_head`` (+ the config's final logit soft-capping).
+PLAIN_HEADS = ("LlamaForCausalLM", "Gemma3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+
+
+def _logits_rows(model: Any, jobs: Sequence[Job], ids: torch.Tensor, cache: Any, mask: Any,
+                 positions: torch.Tensor) -> list[torch.Tensor]:
+    """Each job's wanted logits rows, computing the vocabulary projection for those rows only.
+
+    The head is the most expensive matrix of a small model (Gemma-3-270m: 262k x 640), so
+    asking ``logits_to_keep`` for the union of every row's positions (a packed verify pass
+    wants ~20, a draft step 1) would multiply its cost by the batch size. For known plain
+    heads the body runs alone and the head sees exactly the wanted (row, position) pairs.
+    """
+    body, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if type(model).__name__ in PLAIN_HEADS and body is not None and head is not None:
+        hidden = body(input_ids=ids, cache=cache, use_cache=True, attention_mask=mask,
+                      position_ids=positions).last_hidden_state
+        rows = torch.tensor([r for r, job in enumerate(jobs) for _ in job.keep], dtype=torch.long, device=hidden.device)
+        cols = torch.tensor([k for job in jobs for k in job.keep], dtype=torch.long, device=hidden.device)
+        logits = head(hidden[rows, cols])
+        cap = getattr(_text_config(model), "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return list(logits.float().split([len(job.keep) for job in jobs]))
+    wanted = sorted({k for job in jobs for k in job.keep})
+    index = torch.tensor(wanted, dtype=torch.long, device=ids.device)
+    out = model(input_ids=ids, cache=cache, use_cache=True, attention_mask=mask, position_ids=positions,
+                logits_to_keep=index)
+    column = {k: c for c, k in enumerate(wanted)}
+    return [out.logits[r, [column[k] for k in job.keep]].float() for r, job in enumerate(jobs)]
+
+
+def batched_forward(model: Any, jobs: Sequence[Job]) -> list[torch.Tensor] | None:
+    """One forward pass for all ``jobs`` of ``model``; None when a row's cache cannot be gathered exactly."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    types = model_layer_types(model)
+    window = _sliding_window(model)
+    layouts = [_row_layout(job.cache, types, window) for job in jobs]
+    if any(lay is None for lay in layouts):
+        return None
+    layouts_ok: list[_RowLayout] = [lay for lay in layouts if lay is not None]
+    device = model.device
+    widths = {kind: max(lay.visible[kind] for lay in layouts_ok) for kind in dict.fromkeys(types)}
+    width_new = max(len(j.ids) for j in jobs)
+    cache = DynamicCache()
+    if any(widths.values()):
+        layers = []
+        for idx, kind in enumerate(types):
+            counts = [lay.visible[kind] for lay in layouts_ok]
+            like = next(job.cache.layers[idx].keys for job, n in zip(jobs, counts) if n)
+            keys = _padded([job.cache.layers[idx].keys for job in jobs], counts, widths[kind], like)
+            values = _padded([job.cache.layers[idx].values for job in jobs], counts, widths[kind],
+                             next(job.cache.layers[idx].values for job, n in zip(jobs, counts) if n))
+            layer = DynamicLayer()
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            layers.append(layer)
+        cache.layers = layers
+    ids = torch.zeros(len(jobs), width_new, dtype=torch.long, device=device)
+    positions = torch.zeros(len(jobs), width_new, dtype=torch.long, device=device)
+    for r, job in enumerate(jobs):
+        n = len(job.ids)
+        ids[r, :n] = torch.tensor(job.ids, dtype=torch.long, device=device)
+        pos = job.positions.to(device)
+        positions[r, :n] = pos
+        positions[r, n:] = pos[-1] + 1 + torch.arange(width_new - n, device=device)
+    dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+    mask = _masks(jobs, layouts_ok, types, widths, width_new, window, dtype, device)
+    results = _logits_rows(model, jobs, ids, cache, mask, positions)
+    for idx, kind in enumerate(types):  # scatter: each row's new states go to its own cache
+        layer = cache.layers[idx]
+        k = widths[kind]
+        for r, job in enumerate(jobs):
+            n = len(job.ids)
+            job.cache.update(layer.keys[r:r + 1, :, k:k + n], layer.values[r:r + 1, :, k:k + n], idx)
+    return results

@@ -1,0 +1,208 @@
+"""Throughput of concurrent requests (``ensemble bench --throughput``): batched vs one after another.
+
+For each method (single model, SAFE, SpecEM by default) the same GSM8K prompts run
+
+* **one after another** with batching off (each request alone: the throughput a caller got
+  before cross-request batching), measured once over the largest concurrency's prompts;
+  the rate for ``c`` requests is the first ``c`` requests' tokens over their seconds;
+* **concurrently**, ``c`` at a time through ``Ensemble.batch`` (batching on), for every
+  ``c`` in ``concurrency``.
+
+Reported per method and ``c``: total output tokens per second both ways and their ratio
+(the speed-up the targets in ``targets.json`` are about), the mean per-request latency
+both ways (what one caller pays for sharing passes), how many model calls the batcher made
+for how many rows, the seconds per call of each member (which pass stops scaling with
+rows) and whether the texts equal the unbatched ones. Output tokens are counted with each
+method's primary member's tokenizer, as everywhere else.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..batching import BatchingConfig
+from ..datasets import cot_prompt, load_dataset
+from ..ensemble import Ensemble, resolve_members
+from ..errors import InvalidOptionError
+from ..members import Member
+from .records import jsonable
+from .report import hardware
+from .targets import load_targets
+
+THROUGHPUT_METHODS = ("single", "safe", "specem")
+
+
+@dataclass
+class ThroughputOptions:
+    """Everything one throughput run depends on (recorded in ``throughput.json``)."""
+
+    methods: tuple[str, ...] = THROUGHPUT_METHODS
+    members: tuple[str, ...] = ("smollm2-135m-instruct", "gemma3-270m")
+    concurrency: tuple[int, ...] = (1, 4, 8, 16)
+    max_new_tokens: int = 64
+    dataset: str = "gsm8k"
+    data_path: str | None = None
+    offset: int = 0
+    stop: tuple[str, ...] = ("\nQuestion:",)
+    latency_at: int = 8
+    #: How many prompts run one after another for the baseline (None: the largest concurrency).
+    #: A concurrency above it is compared with the baseline's rate over all of them (marked "est.").
+    sequential_requests: int | None = None
+    out: str = "results/throughput"
+    threads: int | None = None
+    warmup: bool = True
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        self.methods, self.concurrency = tuple(self.methods), tuple(sorted(set(self.concurrency)))
+        if not self.concurrency or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.concurrency):
+            raise InvalidOptionError("concurrency", list(self.concurrency), "integers >= 1")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidOptionError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        if not self.methods:
+            raise InvalidOptionError("methods", [], "at least one method")
+
+
+def _members_for(method: str, members: list[Member]) -> list[Member]:
+    return members[:1] if method == "single" else members
+
+
+def _stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    out = {k: after[k] - before[k] for k in ("model_calls", "batched_calls", "rows", "real_tokens", "padded_tokens")}
+    out["per_member"] = {}
+    for name, calls in after["calls_by_member"].items():
+        calls -= before["calls_by_member"].get(name, 0)
+        seconds = after["seconds_by_member"].get(name, 0.0) - before["seconds_by_member"].get(name, 0.0)
+        rows = after["rows_by_member"].get(name, 0) - before["rows_by_member"].get(name, 0)
+        out["per_member"][name] = {"calls": calls, "rows": rows, "rows_per_call": round(rows / calls, 2) if calls else None,
+                                   "ms_per_call": round(1000 * seconds / calls, 1) if calls else None}
+    return out
+
+
+def measure_method(method: str, members: list[Member], prompts: list[Any], options: ThroughputOptions,
+                   progress: Any = None) -> dict[str, Any]:
+    """One method: sequential baseline once, then each concurrency level batched.
+
+    ``progress(result_so_far)`` is called after every level (the caller writes partial results).
+    """
+    ms = _members_for(method, members)
+    common = {"max_new_tokens": options.max_new_tokens, "stop": tuple(options.stop)}
+    alone = Ensemble(ms, method=method, batching=False, **common)
+    together = Ensemble(ms, method=method, batching=BatchingConfig(max_batch_rows=max(options.concurrency)), **common)
+    if options.warmup:
+        for ens in (alone, together):
+            ens.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
+    sequential = []
+    for prompt in prompts[:options.sequential_requests or len(prompts)]:
+        t0 = time.perf_counter()
+        r = alone.generate(prompt)
+        sequential.append((r.completion_tokens, time.perf_counter() - t0, r.text))
+    levels: dict[str, Any] = {}
+    result = {"members": [m.name for m in ms], "levels": levels}
+    for c in options.concurrency:
+        batcher = together.method.batcher
+        assert batcher is not None
+        before = batcher.stats.as_dict()
+        t0 = time.perf_counter()
+        results = together.batch(prompts[:c])
+        wall = time.perf_counter() - t0
+        seq = sequential[:c]
+        seq_tokens, seq_seconds = sum(t for t, _, _ in seq), sum(s for _, s, _ in seq) * c / len(seq)
+        seq_tokens = seq_tokens * c / len(seq)  # c > len(seq): the baseline's rate, scaled to c requests
+        tokens = sum(r.completion_tokens for r in results)
+        batched_rate = tokens / wall if wall else 0.0
+        seq_rate = seq_tokens / seq_seconds if seq_seconds else 0.0
+        levels[str(c)] = {
+            "requests": c, "tokens": tokens, "seconds": round(wall, 3),
+            "tokens_per_s": round(batched_rate, 3), "sequential_tokens_per_s": round(seq_rate, 3),
+            "speedup": round(batched_rate / seq_rate, 3) if seq_rate else None,
+            "mean_latency_s": round(statistics.mean(r.seconds for r in results), 3),
+            "sequential_mean_latency_s": round(seq_seconds / c, 3), "baseline_requests": len(seq),
+            "identical_outputs": sum(r.text == s[2] for r, s in zip(results, seq)),
+            "batcher": _stats_delta(batcher.stats.as_dict(), before),
+        }
+        print(f"{method} x{c}: {batched_rate:.2f} tok/s batched vs {seq_rate:.2f} alone "
+              f"({levels[str(c)]['speedup']}x)", file=sys.stderr, flush=True)
+        if progress is not None:
+            progress(result)
+    return result
+
+
+def evaluate_throughput_targets(results: dict[str, Any], latency_at: int) -> list[dict[str, Any]]:
+    """The ``throughput`` targets of ``targets.json`` against this run."""
+    out = []
+    for t in load_targets():
+        spec = t.value
+        if "throughput" not in spec:
+            continue
+        method, c = spec["throughput"], str(spec.get("concurrency", latency_at))
+        level = results.get(method, {}).get("levels", {}).get(c)
+        value = level.get(spec.get("metric", "speedup")) if level else None
+        if value is None:
+            out.append({"id": t.id, "issue": t.issue, "target": t.text, "value": None, "threshold": t.threshold,
+                        "status": "not evaluated", "detail": f"no {method} row at concurrency {c}"})
+            continue
+        met = value <= t.threshold if t.op == "<=" else value >= t.threshold
+        out.append({"id": t.id, "issue": t.issue, "target": t.text, "value": value, "threshold": t.threshold,
+                    "status": "met" if met else "missed", "detail": f"{method} at {c} concurrent requests"})
+    return out
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The throughput table, the latency cost, the per-member pass costs and the targets."""
+    lines = ["| method | concurrent | tok/s batched | tok/s one by one | speed-up | mean latency batched / alone (s) "
+             "| model calls / rows | ms per call (per member) | identical outputs |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for method, res in summary["results"].items():
+        for c, lv in res["levels"].items():
+            b = lv["batcher"]
+            per = "; ".join(f"{name}: {m['ms_per_call']} ms × {m['rows_per_call']} rows"
+                            for name, m in b["per_member"].items())
+            est = "" if lv["baseline_requests"] >= lv["requests"] else f" (est. from {lv['baseline_requests']})"
+            lines.append(f"| {method} | {c} | {lv['tokens_per_s']:.2f} | {lv['sequential_tokens_per_s']:.2f}{est} "
+                         f"| {lv['speedup']:.2f}x | {lv['mean_latency_s']:.1f} / {lv['sequential_mean_latency_s']:.1f} "
+                         f"| {b['model_calls']} / {b['rows']} | {per} "
+                         f"| {lv['identical_outputs']}/{min(lv['requests'], lv['baseline_requests'])} |")
+    lines += ["", "| target | value | status |", "|---|---:|---|"]
+    for t in summary["targets"]:
+        value = "–" if t["value"] is None else f"{t['value']:.2f}"
+        lines.append(f"| {t['target']} | {value} | {t['status']} ({t['detail']}) |")
+    return "\n".join(lines) + "\n"
+
+
+def run_throughput(options: ThroughputOptions, members: list[Member] | None = None) -> dict[str, Any]:
+    """Run the throughput benchmark and write ``throughput.json`` / ``throughput.md`` to ``options.out``."""
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    n = max(options.concurrency)
+    problems = load_dataset(options.dataset, n, options.offset, options.data_path)
+    prompts = [cot_prompt(p.question) for p in problems]
+    if members is None:
+        members = resolve_members(list(options.members))
+    results: dict[str, Any] = {}
+    for method in options.methods:
+        def partial(result: dict[str, Any], method: str = method) -> None:
+            (out / "throughput.partial.json").write_text(json.dumps({**results, method: result}, indent=2))
+        results[method] = measure_method(method, members, prompts, options, partial)
+    summary = {
+        "meta": {"dataset": options.dataset, "questions": len(prompts), "max_new_tokens": options.max_new_tokens,
+                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                 "command": options.command or "run_throughput(...)", "hardware": hardware(),
+                 "torch_threads": torch.get_num_threads(), "options": jsonable(asdict(options))},
+        "results": results,
+        "targets": evaluate_throughput_targets(results, options.latency_at),
+    }
+    (out / "throughput.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False), encoding="utf-8")
+    (out / "throughput.md").write_text(markdown(summary), encoding="utf-8")
+    return summary

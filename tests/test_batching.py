@@ -1,0 +1,262 @@
+"""Batched decoding across concurrent requests (:mod:`ensemble_core.batching`).
+
+Batched outputs must equal unbatched ones: a batched pass is exact in arithmetic (padding
+is masked out, positions are explicit), only the floating-point summation order of a
+batch differs from a one-row pass (~1e-7 on logits, measured in
+``test_a_batched_pass_matches_the_rows_run_alone``), so greedy choices do not flip here.
+Forward passes are counted, never timed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ensemble_core import Ensemble, Member
+from ensemble_core.batching import Batcher, BatchingConfig, batched_forward, batching_config, plan_groups
+from ensemble_core.errors import InvalidOptionError
+from ensemble_core.testing import random_ids, tiny_member
+
+PROMPTS = [
+    "Hi",
+    "What is 2 + 2?",
+    "Write one sentence about the sea.",
+    "Name three colours, separated by commas, and nothing else please.",
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Why is the sky blue?"}],
+    "A longer prompt: " + "the quick brown fox jumps over the lazy dog; " * 6,
+    "Translate 'bonjour' into English.",
+    "Count: one, two, three,",
+]
+METHODS = ["single", "safe", "specem", "every-token", "generate-then-select"]
+
+
+@pytest.fixture(scope="module")
+def llama() -> Member:
+    """Random weights drawn wide enough that greedy decoding writes varied words (the default
+    initialisation repeats one whitespace token, which would make every comparison vacuous)."""
+    return tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Member:
+    return tiny_member("gemma3-270m", seed=0, initializer_range=0.2)
+
+
+def members_for(method: str, llama: Member, gemma: Member) -> list[Member]:
+    return [llama] if method == "single" else [llama, gemma]
+
+
+def total_rows_fed(results: list) -> int:
+    return sum(m["forward_passes"] for r in results for m in r.stats["members"])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batched_greedy_outputs_equal_unbatched(method: str, llama: Member, gemma: Member) -> None:
+    members = members_for(method, llama, gemma)
+    options = {"max_new_tokens": 10}
+    alone = Ensemble(members, method=method, batching=False, **options)
+    together = Ensemble(members, method=method, **options)
+    expected = alone.batch(PROMPTS)
+    got = together.batch(PROMPTS)
+    assert [r.text for r in got] == [r.text for r in expected]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
+    assert sum(bool(r.text) for r in expected) >= 6  # the comparison is not vacuous
+    stats = together.method.batcher.stats
+    assert stats.batched_calls > 0 and stats.max_rows > 1
+    assert stats.model_calls < total_rows_fed(got)
+
+
+def run_threads(targets: list) -> None:
+    threads = [threading.Thread(target=t) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_concurrent_single_requests_share_forward_passes(llama: Member) -> None:
+    ens = Ensemble([llama], method="single", max_new_tokens=16)
+    prompts = PROMPTS[:8]
+    results = ens.batch(prompts)
+    rows = total_rows_fed(results)  # passes each request took part in (prefill + one per token)
+    calls = ens.method.batcher.stats.model_calls
+    assert rows >= 8 * 10
+    assert calls * 3 <= rows, (calls, rows)  # 8 requests in lock step: about one call per token for all of them
+
+
+def test_rows_finish_early_stop_per_row_and_are_unaffected(llama: Member, gemma: Member) -> None:
+    calls = [(PROMPTS[i], {"max_new_tokens": n}) for i, n in enumerate([2, 5, 9, 14])]
+    calls += [(PROMPTS[4], {"max_new_tokens": 14, "stop": ["e"]}), (PROMPTS[5], {"max_new_tokens": 14, "stop": ["a", "o"]})]
+    for method in ("single", "safe"):
+        members = members_for(method, llama, gemma)
+        alone = Ensemble(members, method=method, batching=False)
+        together = Ensemble(members, method=method)
+        expected = [alone.generate(p, **o) for p, o in calls]
+        got: dict[int, object] = {}
+        run_threads([lambda i=i, p=p, o=o, ens=together, out=got: out.__setitem__(i, ens.generate(p, **o))
+                     for i, (p, o) in enumerate(calls)])
+        assert [got[i].text for i in range(len(calls))] == [r.text for r in expected]
+        assert "stop" in [r.finish_reason for r in expected] and len({len(r.text) for r in expected}) > 3
+        assert [got[i].finish_reason for i in range(len(calls))] == [r.finish_reason for r in expected]
+        assert together.method.batcher.stats.batched_calls > 0
+
+
+def test_a_cancelled_row_leaves_the_others_unaffected(llama: Member) -> None:
+    alone = Ensemble([llama], method="single", batching=False, max_new_tokens=14)
+    together = Ensemble([llama], method="single", max_new_tokens=14)
+    expected = [alone.generate(p).text for p in PROMPTS[:4]]
+    cancel = threading.Event()
+    out: dict[int, object] = {}
+
+    def consume(i: int) -> None:
+        stream = together.stream(PROMPTS[i], cancel=cancel if i == 0 else None)
+        for k, _ in enumerate(stream):
+            if i == 0 and k == 1:
+                cancel.set()
+        out[i] = stream.result
+
+    run_threads([lambda i=i: consume(i) for i in range(4)])
+    assert out[0].finish_reason == "cancelled" and len(out[0].text) < len(expected[0])
+    assert [out[i].text for i in (1, 2, 3)] == expected[1:]
+
+
+def test_a_row_joining_mid_flight_is_batched_and_exact(llama: Member) -> None:
+    alone = Ensemble([llama], method="single", batching=False, max_new_tokens=14)
+    together = Ensemble([llama], method="single", max_new_tokens=14)
+    expected = [alone.generate(p).text for p in PROMPTS[1:3]]
+    started = threading.Event()
+    out: dict[int, str] = {}
+
+    def first() -> None:
+        stream = together.stream(PROMPTS[1])
+        for k, _ in enumerate(stream):
+            if k == 2:
+                started.set()
+        started.set()
+        out[0] = stream.result.text
+
+    def late() -> None:
+        assert started.wait(60)
+        out[1] = together.generate(PROMPTS[2]).text
+
+    run_threads([first, late])
+    assert [out[0], out[1]] == expected
+    assert together.method.batcher.stats.batched_calls > 0
+
+
+def test_runs_from_several_threads_run_concurrently_without_the_lock(llama: Member) -> None:
+    from ensemble_core.runtime import Run
+
+    ens = Ensemble([llama], method="single", max_new_tokens=10)
+    reference = [Ensemble([llama], method="single", batching=False, max_new_tokens=10).generate(p).text
+                 for p in PROMPTS[:4]]
+    out: dict[int, str] = {}
+    with ens.lock:  # batched runs never take the per-round lock
+        run_threads([lambda i=i: out.__setitem__(i, Run(ens, PROMPTS[i]).run().text) for i in range(4)])
+    assert [out[i] for i in range(4)] == reference
+    assert ens.method.batcher.stats.batched_calls > 0
+
+
+def test_seeded_sampling_stays_reproducible_per_request(llama: Member) -> None:
+    ens = Ensemble([llama], method="single", max_new_tokens=10, do_sample=True, temperature=2.0)
+    alone = Ensemble([llama], method="single", batching=False, max_new_tokens=10, do_sample=True, temperature=2.0)
+    seeds = [1, 2, 3, 4]
+    expected = [alone.generate(PROMPTS[1], seed=s).text for s in seeds]
+    out: dict[int, str] = {}
+    run_threads([lambda s=s: out.__setitem__(s, ens.generate(PROMPTS[1], seed=s).text) for s in seeds])
+    assert [out[s] for s in seeds] == expected
+
+
+@pytest.mark.parametrize("alias", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_a_batched_pass_matches_the_rows_run_alone(alias: str) -> None:
+    """Rows of different cache lengths, fed 1-4 tokens; Gemma-3 with a 16-token window so that
+    caches are past the window (its sliding layers expose only the last 15 states)."""
+    extra = {"sliding_window": 16} if alias.startswith("gemma") else {}
+    member = tiny_member(alias, seed=3, layers=6, **extra)
+    batched, alone = [], []
+    for r, n in enumerate([5, 30, 12, 1]):
+        pair = [member.start_from_ids(random_ids(n, r)) for _ in range(2)]
+        for s in pair:
+            s.score(random_ids(r * 7, 100 + r))
+        batched.append(pair[0])
+        alone.append(pair[1])
+    for step in range(2):
+        feeds = [random_ids(k, 50 + k + step) for k in (1, 3, 1, 4)]
+        want = [s.score(f)[1:] for s, f in zip(alone, feeds)]
+        jobs = []
+        for s, f in zip(batched, feeds):
+            s.ids.extend(f)
+            jobs.append(s._job(s.ids[s.cached:], len(f)))
+            s.cached = len(s.ids)
+        with torch.inference_mode():
+            got = batched_forward(member.model, jobs)
+        assert got is not None
+        for g, w in zip(got, want):
+            assert torch.allclose(g, w, atol=1e-5), float((g - w).abs().max())
+    for a, b in zip(batched, alone):  # the caches were scattered back exactly
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            assert torch.allclose(la.keys, lb.keys, atol=1e-5) and la.keys.shape == lb.keys.shape
+
+
+def test_plan_groups_keeps_a_long_prefill_apart() -> None:
+    assert plan_groups([1, 1, 1, 300, 1], 2.0) == [[0, 1, 2, 4], [3]]
+    assert plan_groups([1, 3, 5, 2], 2.0) == [[0, 3, 1, 2]]
+    assert plan_groups([], 2.0) == []
+
+
+@pytest.mark.parametrize("field,value", [("max_batch_rows", 0), ("max_batch_rows", True), ("max_wait_ms", -1),
+                                         ("max_pad_ratio", 0.5), ("enabled", "yes")])
+def test_bad_batching_options_raise_typed_errors(field: str, value: object) -> None:
+    with pytest.raises(InvalidOptionError, match=field):
+        BatchingConfig(**{field: value})
+    with pytest.raises(InvalidOptionError, match="batching"):
+        batching_config("on")
+    assert batching_config(False).enabled is False and batching_config({"max_batch_rows": 2}).max_batch_rows == 2
+
+
+def test_max_batch_rows_queues_the_rest(llama: Member) -> None:
+    ens = Ensemble([llama], method="single", max_new_tokens=6, batching={"max_batch_rows": 2})
+    reference = Ensemble([llama], method="single", batching=False, max_new_tokens=6).batch(PROMPTS[:5])
+    assert [r.text for r in ens.batch(PROMPTS[:5])] == [r.text for r in reference]
+    assert ens.method.batcher.stats.max_rows == 2
+
+
+def test_a_lone_request_is_never_padded(llama: Member) -> None:
+    ens = Ensemble([llama], method="single", max_new_tokens=6)
+    ens.generate(PROMPTS[2])
+    stats = ens.method.batcher.stats
+    assert stats.batched_calls == 0 and stats.model_calls == stats.rows > 0
+    assert isinstance(ens.method.batcher, Batcher) and time.perf_counter() > 0
+
+
+@pytest.mark.real
+def test_real_pair_batched_safe_and_single_equal_unbatched(real_pair: list[Member]) -> None:
+    prompts = ["What is 7 times 8?", "Name a fruit.", "Say hello in French.", "What colour is grass?"]
+    for method, members in (("single", real_pair[:1]), ("safe", real_pair)):
+        alone = Ensemble(members, method=method, batching=False, max_new_tokens=8)
+        together = Ensemble(members, method=method, max_new_tokens=8)
+        assert [r.text for r in together.batch(prompts)] == [r.text for r in alone.batch(prompts)]
+        assert together.method.batcher.stats.batched_calls > 0
+
+
+def test_throughput_report_and_targets() -> None:
+    from ensemble_core.bench.targets import evaluate_targets, load_targets
+    from ensemble_core.bench.throughput import evaluate_throughput_targets, markdown
+
+    batcher = {"model_calls": 4, "batched_calls": 4, "rows": 32, "real_tokens": 32, "padded_tokens": 32,
+               "per_member": {"m": {"calls": 4, "rows": 32, "rows_per_call": 8.0, "ms_per_call": 90.0}}}
+    level = {"requests": 8, "tokens": 64, "seconds": 2.0, "tokens_per_s": 32.0, "sequential_tokens_per_s": 8.0,
+             "speedup": 4.0, "mean_latency_s": 2.0, "sequential_mean_latency_s": 1.0, "baseline_requests": 8,
+             "identical_outputs": 8, "batcher": batcher}
+    results = {"single": {"members": ["m"], "levels": {"8": level}}}
+    targets = evaluate_throughput_targets(results, 8)
+    status = {t["id"]: t["status"] for t in targets}
+    assert status["batching_single_x8"] == "met" and status["batching_safe_x8"] == "not evaluated"
+    assert "| single | 8 | 32.00 | 8.00 | 4.00x" in markdown({"results": results, "targets": targets})
+    assert any("throughput" in t.value for t in load_targets())
+    ordinary = evaluate_targets({}, {}, None)  # the per-question bench leaves throughput targets to --throughput
+    assert not [t for t in ordinary if t["id"].startswith("batching")]
