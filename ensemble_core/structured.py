@@ -323,6 +323,13 @@ class ReplyStream:
     def __init__(self, forced: bool) -> None:
         self.raw, self.shown, self.holding = "", 0, forced
 
+    @classmethod
+    def for_request(cls, request: StructuredRequest) -> ReplyStream | None:
+        """The hold-back for a request with tools; None when every delta is text (no tools, or ``"none"``)."""
+        if not request.tools or request.choice == "none":
+            return None
+        return cls(forced=request.forced_call)
+
     @property
     def text(self) -> str:
         """What has been shown so far."""

@@ -320,10 +320,7 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
     @staticmethod
     def _reply_stream(run: Run) -> ReplyStream | None:
         """How deltas are shown when tools are bound (None: every delta is content)."""
-        request = run.stream.config.structured
-        if not request.tools or request.choice == "none":
-            return None
-        return ReplyStream(forced=request.forced_call)
+        return ReplyStream.for_request(run.stream.config.structured)
 
     def _closing(self, run: Run, reply: ReplyStream | None, ensemble: Ensemble, model_name: str) -> ChatGenerationChunk:
         result = run.result

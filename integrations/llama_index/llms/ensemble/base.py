@@ -199,10 +199,7 @@ class EnsembleLLM(FunctionCallingLLM):
     @staticmethod
     def _reply_stream(run: Run) -> ReplyStream | None:
         """How deltas are shown when tools are sent (None: every delta is text)."""
-        request = run.stream.config.structured
-        if not request.tools or request.choice == "none":
-            return None
-        return ReplyStream(forced=request.forced_call)
+        return ReplyStream.for_request(run.stream.config.structured)
 
     def _final(self, chat: bool, run: Run, reply: ReplyStream | None, text: str) -> Any:
         """The last response of a stream: the rest of the text (held back by ``reply``), calls, usage."""
