@@ -111,6 +111,10 @@ def test_reply_stream_holds_back_what_may_become_a_call() -> None:
     assert ReplyStream(forced=True).push("text") == ""
     held = ReplyStream(forced=False)
     assert held.push(' {"name"') == "" and held.holding
+    assert ReplyStream.for_request(structured_request()) is None
+    assert ReplyStream.for_request(structured_request(TOOLS, "none")) is None
+    assert ReplyStream.for_request(structured_request(TOOLS, "required")).holding
+    assert not ReplyStream.for_request(structured_request(TOOLS)).holding
 
 
 def test_closed_schema_closes_every_object_it_declares() -> None:
