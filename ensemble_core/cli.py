@@ -214,6 +214,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _index_subset(text: str) -> tuple[int, ...]:
+    """``"0,2"`` -> ``(0, 2)`` (argparse type of ``--subsets``)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of member indices, e.g. 0,2") from None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import ALL_METHODS, BenchOptions, run_bench
 
@@ -238,7 +246,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop,
         every_token_distributions=tuple(args.every_token_distributions),
         safe_drafters=tuple(args.safe_drafters) if args.safe_drafters is not None else None,
-        method_config=parse_sets(args.set), out=args.out, resume=args.resume, warmup=not args.no_warmup,
+        subsets=tuple(args.subsets or ()), method_config=parse_sets(args.set), out=args.out, resume=args.resume,
+        warmup=not args.no_warmup,
         plots=not args.no_plots, microbench=not args.no_microbench, microbench_reps=args.microbench_reps,
         progress=not args.no_progress, threads=args.threads, command="ensemble " + " ".join(shlex.quote(a) for a in args.argv))
     summary = run_bench(options)
@@ -294,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--every-token-distributions", nargs="+", default=["unite"], choices=["unite", "gac"])
     p.add_argument("--safe-drafters", nargs="+", type=int, default=None,
                    help="member indices to use as SAFE drafter, one row each (default: every member)")
+    p.add_argument("--subsets", nargs="+", type=_index_subset, default=None, metavar="I,J[,K]",
+                   help="also ensemble these member subsets in the same run, e.g. --subsets 0,2 1,2 for the pairs "
+                        "of a trio with the last member (every ensemble method, one row each)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", nargs="*", default=None,
                    help="stop strings for every method (default: '\\nQuestion:'; give none to disable)")

@@ -18,6 +18,7 @@ from ensemble_core.bench import (
     HFSingleRunner,
     Row,
     _TextStop,
+    build_rows,
     cut_at_stop,
     ensemble_ratio,
     evaluate_targets,
@@ -25,6 +26,7 @@ from ensemble_core.bench import (
     run_bench,
     summarize_rows,
 )
+from ensemble_core.bench.runner import subset_tag
 from ensemble_core.cli import main
 from ensemble_core.datasets import cot_prompt
 from ensemble_core.errors import ConfigurationError, InvalidOptionError
@@ -84,6 +86,37 @@ def test_summary_ratios_and_targets_from_records() -> None:
     assert targets["verify_in_line_speedup"]["status"] == "missed"
 
 
+def test_trio_targets_best_ensemble_accuracy_and_subset_rows(tiny_llama, tiny_gemma, tiny_qwen) -> None:
+    """``--subsets`` adds each subset's ensemble rows after the whole set's; targets keep reading the whole set."""
+    options = BenchOptions(members=("a", "b", "c"), methods=("single", "safe", "every-token", "specem"),
+                           subsets=((0, 2),), safe_drafters=(0,))
+    rows = build_rows([tiny_llama, tiny_gemma, tiny_qwen], options)
+    tag = f"; members={tiny_llama.name}+{tiny_qwen.name}"  # "tiny-..." names: first words not unique
+    assert subset_tag(["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]) == "; members=smollm2+qwen2.5"
+    assert [r.label for r in rows] == [
+        f"single[{tiny_llama.name}]", f"single[{tiny_gemma.name}]", f"single[{tiny_qwen.name}]",
+        f"safe[drafter={tiny_llama.name}]", f"safe[drafter={tiny_llama.name}{tag}]",
+        "every-token[unite]", f"every-token[unite{tag}]", "specem", f"specem[{tag[2:]}]"]
+    assert all(r.skipped is None for r in rows)
+    pair = rows[4].runner.ensemble
+    assert [m.name for m in pair.members] == [tiny_llama.name, tiny_qwen.name] and rows[4].members == (
+        tiny_llama.name, tiny_qwen.name)
+    with pytest.raises(InvalidOptionError, match="subsets"):
+        BenchOptions(members=("a", "b"), subsets=((0, 0),))
+    with pytest.raises(InvalidOptionError, match="subsets"):
+        BenchOptions(members=("a", "b"), subsets=((1, 2),))
+
+    rows, records = _synthetic()
+    records = [dict(r, correct=r["method"] == "specem") if r["method"].startswith(("single", "specem")) else r
+               for r in records]
+    targets = {t["id"]: t for t in evaluate_targets(summarize_rows(rows, records), {}, None)}
+    acc = targets["trio_ensemble_accuracy"]
+    assert acc["status"] == "met" and acc["value"] == pytest.approx(1.0) and "single[fast] 0" in acc["detail"]
+    records = [dict(r, correct=r["method"].startswith("single[fast]")) for r in records]
+    acc = {t["id"]: t for t in evaluate_targets(summarize_rows(rows, records), {}, None)}["trio_ensemble_accuracy"]
+    assert acc["status"] == "missed" and acc["value"] == pytest.approx(-1.0)
+
+
 def test_speed_ratios_are_per_output_character() -> None:
     """A member that answers in one line is not "fast" just because its answers are short."""
     rows = [Row("single[brief]", "single", runner=object(), member="brief"),
@@ -107,7 +140,7 @@ def test_targets_not_evaluated_say_why() -> None:
     targets = evaluate_targets(summary, {"safe": "ImportError: gone"}, {"skipped": "no verify_inline"})
     assert all(t["status"] == "not evaluated" for t in targets)
     assert any("ImportError: gone" in t["detail"] for t in targets)
-    assert targets[-1]["detail"] == "no verify_inline"
+    assert next(t for t in targets if t["id"] == "verify_in_line_speedup")["detail"] == "no verify_inline"
 
 
 def test_record_helpers() -> None:
@@ -169,10 +202,11 @@ def test_run_bench_writes_every_artefact_on_tiny_members(tiny_llama, tiny_gemma,
     assert len(records) == 2 * len(labels) and not [r for r in records if "error" in r]
     assert [r["question_id"] for r in records[: len(labels)]] == ["arith-0"] * len(labels)  # interleaved per question
     assert all(r["et"] is not None for r in records if r["kind"] in ("safe", "every-token"))
-    assert len(summary["targets"]) == 6
+    assert len(summary["targets"]) == 9
     for t in summary["targets"]:  # random weights may write only whitespace: then a ratio has no data, and says so
         assert t["status"] in ("met", "missed") or (t["status"] == "not evaluated" and t["detail"]), t
-    assert summary["targets"][-1]["status"] in ("met", "missed")  # the microbenchmark always has data
+    micro = next(t for t in summary["targets"] if t["id"] == "verify_in_line_speedup")
+    assert micro["status"] in ("met", "missed")  # the microbenchmark always has data
     md = (tmp_path / "summary.md").read_text()
     assert "## Targets" in md and all(label in md for label in labels)
     assert summary["microbench"]["speedup_4"] > 0

@@ -102,7 +102,8 @@ def summarize_rows(rows: list[Row], records: list[dict[str, Any]]) -> dict[str, 
         for r in ok:
             finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
         out[row.label] = {
-            "kind": row.kind, "member": row.member, "drafter": row.drafter, "config": jsonable(row.config),
+            "kind": row.kind, "member": row.member, "drafter": row.drafter, "members": list(row.members),
+            "config": jsonable(row.config),
             "questions": len(recs), "errors": len(recs) - len(ok),
             "accuracy": sum(r["correct"] for r in ok) / len(ok) if ok else None,
             "correct": sum(r["correct"] for r in ok),

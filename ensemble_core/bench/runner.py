@@ -52,6 +52,9 @@ class BenchOptions:
     stop: tuple[str, ...] = ("\nQuestion:",)
     every_token_distributions: tuple[str, ...] = ("unite",)
     safe_drafters: tuple[int, ...] | None = None  # None: every member in turn
+    #: Member subsets (indices) ensembled as well, in the same interleaved run: the ensemble
+    #: rows of the whole set come first, then each subset's (e.g. the pairs of a trio).
+    subsets: tuple[tuple[int, ...], ...] = ()
     method_config: dict[str, dict[str, Any]] = field(default_factory=dict)  # method name (or "*") → overrides
     out: str = "results/bench"
     resume: bool = False
@@ -86,6 +89,12 @@ class BenchOptions:
             if bad_d:
                 raise InvalidOptionError("safe_drafters", list(self.safe_drafters),
                                          f"member indices in 0..{len(self.members) - 1}")
+        self.subsets = tuple(tuple(sub) for sub in self.subsets)
+        bad_s = [list(sub) for sub in self.subsets
+                 if len(sub) < 2 or len(set(sub)) != len(sub) or not all(0 <= i < len(self.members) for i in sub)]
+        if bad_s:
+            raise InvalidOptionError("subsets", bad_s, f"subsets of at least two distinct member indices in "
+                                     f"0..{len(self.members) - 1}, e.g. --subsets 0,2 1,2")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise InvalidOptionError("threads", self.threads, "an integer >= 1 or None")
         if not isinstance(self.microbench_reps, int) or self.microbench_reps < 1:
@@ -223,6 +232,7 @@ class Row:
     member: str | None = None  # single rows
     drafter: str | None = None  # safe rows
     config: dict[str, Any] = field(default_factory=dict)
+    members: tuple[str, ...] = ()  # ensemble rows: the members ensembled
 
 
 def _config_fields(method: str) -> set[str]:
@@ -274,6 +284,7 @@ def build_rows(members: list[Member], options: BenchOptions) -> list[Row]:
     def ensemble(method: str, ms: list[Member], **config: Any) -> Callable[[], EnsembleRunner]:
         return lambda: EnsembleRunner(Ensemble(ms, method=method, max_new_tokens=options.max_new_tokens, **config), method)
 
+    groups = [tuple(range(len(members)))] + [tuple(sub) for sub in options.subsets]
     for method in options.methods:
         if method == "single":
             for m in members:
@@ -284,18 +295,30 @@ def build_rows(members: list[Member], options: BenchOptions) -> list[Row]:
         except ConfigurationError as exc:
             rows.append(Row(method, method, skipped=str(exc)))
             continue
-        if method == "every-token":
-            for dist in options.every_token_distributions:
-                cfg = {**base, "distribution": dist}
-                add(f"every-token[{dist}]", method, ensemble(method, members, **cfg), config=cfg)
-        elif method == "safe":
-            for i in options.safe_drafters if options.safe_drafters is not None else range(len(members)):
-                cfg = {**base, "drafter": i}
-                add(f"safe[drafter={members[i].name}]", method, ensemble(method, members, **cfg),
-                    drafter=members[i].name, config=cfg)
-        else:
-            add(method, method, ensemble(method, members, **base), config=base)
+        for group in groups:
+            ms = [members[i] for i in group]
+            names = tuple(m.name for m in ms)
+            tag = "" if group == groups[0] else subset_tag(names)
+            if method == "every-token":
+                for dist in options.every_token_distributions:
+                    cfg = {**base, "distribution": dist}
+                    add(f"every-token[{dist}{tag}]", method, ensemble(method, ms, **cfg), config=cfg, members=names)
+            elif method == "safe":
+                wanted = options.safe_drafters if options.safe_drafters is not None else group
+                for i in [i for i in group if i in wanted]:
+                    cfg = {**base, "drafter": group.index(i)}
+                    add(f"safe[drafter={members[i].name}{tag}]", method, ensemble(method, ms, **cfg),
+                        drafter=members[i].name, config=cfg, members=names)
+            else:
+                label = method if not tag else f"{method}[{tag.removeprefix('; ')}]"
+                add(label, method, ensemble(method, ms, **base), config=base, members=names)
     return rows
+
+
+def subset_tag(names: Sequence[str]) -> str:
+    """``"; members=smollm2+qwen2.5"``: a subset's row-label suffix, by the names' first words when unique."""
+    short = [n.split("-")[0] for n in names]
+    return "; members=" + "+".join(short if len(set(short)) == len(short) else names)
 
 
 def _segment_length(options: BenchOptions) -> int:

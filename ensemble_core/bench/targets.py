@@ -36,8 +36,8 @@ class Target:
     def __post_init__(self) -> None:
         if self.op not in ("<=", ">="):
             raise ValueError(f"target {self.id}: op must be '<=' or '>=', got {self.op!r}")
-        if not ({"ratio", "max", "micro", "throughput"} & set(self.value)):
-            raise ValueError(f"target {self.id}: value needs 'ratio', 'max', 'micro' or 'throughput'")
+        if not ({"ratio", "diff", "max", "micro", "throughput"} & set(self.value)):
+            raise ValueError(f"target {self.id}: value needs 'ratio', 'diff', 'max', 'micro' or 'throughput'")
 
 
 def load_targets(path: Path | str = TARGETS_FILE) -> list[Target]:
@@ -52,6 +52,8 @@ def select(summary: Summary, selector: str) -> list[tuple[str, dict[str, Any]]]:
     kind, _, which = selector.partition(":")
     if not which:
         return [(selector, summary[selector])] if selector in summary else []
+    if kind == "ensemble":  # every row that is not a single member
+        return [(k, v) for k, v in summary.items() if v["kind"] != "single"]
     rows = [(k, v) for k, v in summary.items() if v["kind"] == kind]
     if which == "*":
         return rows
@@ -102,6 +104,14 @@ def compute(target: Target, summary: Summary, skipped: dict[str, str],
         if not rows:
             return None, _missing([spec["max"]], summary, skipped)
         return max(v for _, v in rows), ", ".join(f"{k}: {v:.1%}" if metric == "et" else f"{k}: {v:.3g}" for k, v in rows)
+    if "diff" in spec:  # best of A minus best of B (accuracies: a ratio is undefined when B scores 0)
+        sel_a, sel_b = spec["diff"]
+        best = [max(((k, v[metric]) for k, v in select(summary, sel) if v.get(metric) is not None),
+                    key=lambda kv: kv[1], default=None) for sel in (sel_a, sel_b)]
+        if best[0] is None or best[1] is None:
+            return None, _missing([sel_a, sel_b], summary, skipped)
+        (a_label, a), (b_label, b) = best
+        return a - b, f"best {sel_a.partition(':')[0]}: {a_label} {a:.3g}; best {sel_b.partition(':')[0]}: {b_label} {b:.3g}"
     sel_a, sel_b = spec["ratio"]
     a_rows, b_rows = select(summary, sel_a), select(summary, sel_b)
     metric_b = spec.get("metric_b", metric)
