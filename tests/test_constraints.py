@@ -19,8 +19,10 @@ pytest.importorskip("llguidance", reason="constrained decoding needs llguidance:
 
 from ensemble_core.alignment import IncrementalDecoder, decode, tokenize  # noqa: E402
 from ensemble_core.constraints import (  # noqa: E402
+    MAX_SAFE_INTEGER,
     ConstraintState,
     JsonConstraint,
+    bounded_integers,
     compile_constraint,
     compile_for_member,
     token_table,
@@ -253,6 +255,15 @@ def test_can_end_only_when_complete(tokenizer) -> None:
     # a top-level number can end after "12" but could also go on: can_end without finished
     number = compile_constraint(JsonConstraint({"type": "integer"}), tokenizer, vocab(tokenizer)).start()
     assert number.accept_text("12") and number.can_end and not number.finished
+    # integers without bounds stop at the I-JSON range (a weak model cannot loop on digits)
+    assert number.accept_text("0" * 14)  # 16 digits: 1.2e15 < 2**53
+    assert not number.accepts_text("0") and number.can_end
+    days = compile_constraint(JsonConstraint({"type": "object", "properties": {"d": {"type": ["integer", "null"]},
+                                                                                 "e": {"type": "integer", "minimum": 5}}}),
+                              tokenizer, vocab(tokenizer)).start()
+    assert days.accepts_text('{"d": 9007199254740991, "e": 9007199254740991}', end=True)
+    assert not days.accepts_text('{"d": 9007199254740992') and not days.accepts_text('{"d": -90071992547409910')
+    assert not days.accepts_text('{"d": 1, "e": 4}', end=True) and days.accepts_text('{"d": 1, "e": 40}', end=True)
     # json_object mode: no whitespace before the value, nothing after it
     obj = compile_constraint(JsonConstraint(None), tokenizer, vocab(tokenizer)).start()
     assert not obj.accepts_text(" {") and not obj.accepts_text("[1]")
@@ -287,6 +298,18 @@ def test_token_table_matches_decode(tokenizer) -> None:
         assert decode(tokenizer, [i]) == text, (i, tokens[i])
         checked += 1
     assert checked > 2000
+
+
+def test_bounded_integers_keeps_the_schemas_own_bounds() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "exclusiveMaximum": 10}, "b": {"type": "number"}},
+              "$defs": {"N": {"type": "integer"}}, "anyOf": [{"items": {"type": ["integer", "string"], "minimum": 0}}]}
+    out = bounded_integers(schema)
+    assert out["properties"]["a"] == {"type": "integer", "exclusiveMaximum": 10, "minimum": -MAX_SAFE_INTEGER}
+    assert out["properties"]["b"] == {"type": "number"}  # numbers are not bounded (1e300 is a fine double)
+    assert out["$defs"]["N"] == {"type": "integer", "minimum": -MAX_SAFE_INTEGER, "maximum": MAX_SAFE_INTEGER}
+    assert out["anyOf"][0]["items"]["minimum"] == 0 and out["anyOf"][0]["items"]["maximum"] == MAX_SAFE_INTEGER
+    assert schema["properties"]["a"] == {"type": "integer", "exclusiveMaximum": 10}  # the input is not changed
+    assert JsonConstraint(schema).schema == schema  # the constraint keeps the caller's schema; only its grammar is bounded
 
 
 def test_states_follow_committed_text_across_tokenizers() -> None:
