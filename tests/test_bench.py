@@ -71,6 +71,8 @@ def test_summary_ratios_and_targets_from_records() -> None:
     assert summary["safe[drafter=slow]"]["ratio_to_drafter"] == pytest.approx(1.05)
     assert summary["safe[drafter=fast]"]["et"] == pytest.approx(0.1)
     targets = {t["id"]: t for t in evaluate_targets(summary, {"generate-then-select": "x"}, {"speedup_4": 2.5})}
+    trio = {k: targets.pop(k) for k in ("trio_safe_small_drafter_vs_biggest", "trio_safe_vs_every_token")}
+    assert all(t["status"] == "not evaluated" and "needs rows" in t["detail"] for t in trio.values())  # named members
     assert {t["status"] for t in targets.values()} == {"met"}
     assert targets["safe_fast_drafter_vs_slow_member"]["value"] == pytest.approx(0.25)
     assert targets["safe_vs_every_token"]["value"] == pytest.approx(6.0)
@@ -78,7 +80,7 @@ def test_summary_ratios_and_targets_from_records() -> None:
 
     rows, records = _synthetic(safe_fast=3.0, safe_slow=5.0, every=6.0, et=0.4)
     targets = {t["id"]: t for t in evaluate_targets(summarize_rows(rows, records), {}, {"speedup_4": 1.5})}
-    assert {t["status"] for t in targets.values()} - {"met"} == {"missed"}
+    assert {t["status"] for t in targets.values()} - {"met", "not evaluated"} == {"missed"}
     assert targets["safe_fast_drafter_vs_slow_member"]["status"] == "missed"
     assert targets["safe_vs_every_token"]["status"] == "missed"
     assert targets["safe_slow_drafter_vs_itself"]["status"] == "missed"
@@ -105,6 +107,17 @@ def test_trio_targets_best_ensemble_accuracy_and_subset_rows(tiny_llama, tiny_ge
         BenchOptions(members=("a", "b"), subsets=((0, 0),))
     with pytest.raises(InvalidOptionError, match="subsets"):
         BenchOptions(members=("a", "b"), subsets=((1, 2),))
+
+    q, s = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
+    named = [Row(f"single[{q}]", "single", runner=object(), member=q),
+             Row(f"single[{s}]", "single", runner=object(), member=s),
+             Row(f"safe[drafter={s}]", "safe", runner=object(), drafter=s),
+             Row("every-token[unite]", "every-token", runner=object())]
+    recs = [_rec(f"single[{q}]", "q", 2.0), _rec(f"single[{s}]", "q", 0.5), _rec(f"safe[drafter={s}]", "q", 1.5, et=0.1),
+            _rec("every-token[unite]", "q", 4.0, et=1.0)]
+    by_id = {t["id"]: t for t in evaluate_targets(summarize_rows(named, recs), {}, None)}
+    assert by_id["trio_safe_small_drafter_vs_biggest"]["value"] == pytest.approx(0.75)  # vs Qwen, not the "slow" row
+    assert by_id["trio_safe_vs_every_token"]["value"] == pytest.approx(4.0 / 1.5, abs=1e-4)  # values are rounded
 
     rows, records = _synthetic()
     records = [dict(r, correct=r["method"] == "specem") if r["method"].startswith(("single", "specem")) else r
