@@ -60,6 +60,7 @@ from .errors import (
     UnknownToolError,
     UnsupportedTokenizerError,
 )
+from .structured import map_subschemas
 
 if TYPE_CHECKING:
     from .structured import StructuredRequest
@@ -85,9 +86,6 @@ _COMPILE_OPTIONS: dict[str, Any] = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 #: The largest integer every JSON reader holds exactly (I-JSON, RFC 7493): the default bound of integers.
 MAX_SAFE_INTEGER = 2**53 - 1
-_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "allOf", "oneOf")
-_SUBSCHEMA_ONE = ("items", "additionalProperties", "contains", "not")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SCHEMA_FIX = (
     "Simplify the schema: remove or rewrite the keyword the message names. Supported: type, properties, "
     "required, additionalProperties, items/prefixItems, enum, const, anyOf, allOf, $ref/$defs, "
@@ -111,31 +109,24 @@ def bounded_integers(schema: Any) -> Any:
     A bound the schema sets (``minimum``/``exclusiveMinimum``, ``maximum``/``exclusiveMaximum``)
     is kept; only a missing side gets ``∓ MAX_SAFE_INTEGER``.
     """
-    if isinstance(schema, list):
-        return [bounded_integers(s) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA_LISTS + _SUBSCHEMA_ONE:
-        if key in out:
-            out[key] = bounded_integers(out[key])
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), Mapping):
-            out[key] = {name: bounded_integers(sub) for name, sub in out[key].items()}
-    kind = out.get("type")
+    return map_subschemas(schema, _bound_integer)
+
+
+def _bound_integer(node: dict[str, Any]) -> dict[str, Any]:
+    kind = node.get("type")
     if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
-        if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = -MAX_SAFE_INTEGER
-        if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = MAX_SAFE_INTEGER
-    return out
+        if "minimum" not in node and "exclusiveMinimum" not in node:
+            node["minimum"] = -MAX_SAFE_INTEGER
+        if "maximum" not in node and "exclusiveMaximum" not in node:
+            node["maximum"] = MAX_SAFE_INTEGER
+    return node
 
 
 def _check_grammar(schema: Mapping[str, Any]) -> str:
     """The llguidance grammar of ``schema``; an unsupported or malformed schema raises here."""
     llg = _llguidance()
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(bounded_integers(dict(schema)), defaults=_COMPILE_OPTIONS)
+        grammar = llg.LLMatcher.grammar_from_json_schema(bounded_integers(schema), defaults=_COMPILE_OPTIONS)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
     except (ValueError, TypeError) as e:
         is_error, messages = True, [str(e)]

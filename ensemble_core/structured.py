@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,7 +271,33 @@ def reply_content(text: str, output: StructuredOutput | None) -> str:
 
 
 # ----------------------------------------------------------------------------- schemas
-_SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "allOf", "oneOf", "additionalProperties"})
+#: Keywords whose value is a subschema or a list of them, and keywords whose value maps names to
+#: subschemas (``not`` is left alone: a rewrite inside it would invert its meaning).
+_SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "allOf", "oneOf", "additionalProperties", "contains"})
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def map_subschemas(schema: Any, fix: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """A copy of a JSON Schema with ``fix`` applied to every (sub)schema, innermost first.
+
+    The one walk behind every schema rewrite (:func:`closed_schema`,
+    :func:`ensemble_core.constraints.bounded_integers`); ``fix`` gets a fresh dict it may change.
+    """
+    if isinstance(schema, list):
+        return [map_subschemas(s, fix) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: map_subschemas(v, fix) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), Mapping):
+            out[key] = {name: map_subschemas(sub, fix) for name, sub in schema[key].items()}
+    return fix(out)
+
+
+def _close(node: dict[str, Any]) -> dict[str, Any]:
+    if (node.get("type") == "object" or "properties" in node) and "additionalProperties" not in node:
+        node["additionalProperties"] = False
+    return node
 
 
 def closed_schema(schema: Any) -> Any:
@@ -284,17 +310,7 @@ def closed_schema(schema: Any) -> Any:
     pydantic class accepts only what it declares. ``additionalProperties: true`` in the
     schema (or ``strict=False`` in the adapters) keeps extra keys allowed.
     """
-    if isinstance(schema, list):
-        return [closed_schema(s) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    out = {k: closed_schema(v) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
-        if isinstance(schema.get(key), Mapping):
-            out[key] = {name: closed_schema(sub) for name, sub in schema[key].items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+    return map_subschemas(schema, _close)
 
 
 # ----------------------------------------------------------------------------- streaming
