@@ -310,6 +310,8 @@ def test_bounded_integers_keeps_the_schemas_own_bounds() -> None:
     assert out["anyOf"][0]["items"]["minimum"] == 0 and out["anyOf"][0]["items"]["maximum"] == MAX_SAFE_INTEGER
     assert schema["properties"]["a"] == {"type": "integer", "exclusiveMaximum": 10}  # the input is not changed
     assert JsonConstraint(schema).schema == schema  # the constraint keeps the caller's schema; only its grammar is bounded
+    inverted = bounded_integers({"contains": {"type": "integer"}, "not": {"type": "integer"}})
+    assert inverted["contains"]["maximum"] == MAX_SAFE_INTEGER and inverted["not"] == {"type": "integer"}  # not: untouched
 
 
 def test_states_follow_committed_text_across_tokenizers() -> None:
