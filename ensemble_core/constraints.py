@@ -34,6 +34,10 @@ Conventions (documented here because the ensemble relies on them):
   would let a weak model write digits until the token budget cuts the reply (seen on the
   bundled pair: ``"days": 3000000000000…`` in 9 of 60 forced calls over three methods); with it the
   number must end after 16 digits.
+* Tokens that would continue a repeat of the output (``"Léa", "Léa", "Léa", …``) lose logits
+  in :meth:`~ConstraintState.mask_logits`, more with every repeated byte
+  (:mod:`ensemble_core.repetition`; ``start(LoopPenalty(multiplier=0))`` turns it off): the
+  mask keeps every continuation legal, the penalty makes a looping member end the value.
 * The member's EOS ids are allowed exactly when the value is complete (:attr:`~ConstraintState.can_end`);
   special tokens are never allowed inside the value; rows of the model beyond the tokenizer's
   vocabulary (padding) are never allowed.
@@ -60,6 +64,7 @@ from .errors import (
     UnknownToolError,
     UnsupportedTokenizerError,
 )
+from .repetition import LoopPenalty, first_bytes, loop_penalties, penalty_vector
 from .structured import map_subschemas
 
 if TYPE_CHECKING:
@@ -387,11 +392,20 @@ class CompiledConstraint:
     def __repr__(self) -> str:
         return f"CompiledConstraint({self.constraint!r}, vocab_size={self.vocab_size})"
 
-    def start(self) -> ConstraintState:
-        """A grammar position at the start of the output, for one member in one request."""
+    def start(self, loops: LoopPenalty | None = None) -> ConstraintState:
+        """A grammar position at the start of the output, for one member in one request.
+
+        ``loops``: the penalty on continuing a repeat (:mod:`ensemble_core.repetition`; default
+        :class:`~ensemble_core.repetition.LoopPenalty`, ``LoopPenalty(multiplier=0)`` turns it off).
+        """
         with self._lock:
             matcher = self._template.deep_copy()
-        return ConstraintState(self, matcher)
+        return ConstraintState(self, matcher, LoopPenalty() if loops is None else loops)
+
+    @property
+    def first_bytes(self) -> torch.Tensor:
+        """Int16 ``[vocab_size]``: each token's first non-whitespace byte (-1: none), read once per tokenizer."""
+        return first_bytes(self._lltok, self.vocab_size)
 
 
 @functools.lru_cache(maxsize=128)
@@ -461,10 +475,13 @@ class ConstraintState:
     the state as it was.
     """
 
-    def __init__(self, compiled: CompiledConstraint, matcher: Any) -> None:
+    def __init__(self, compiled: CompiledConstraint, matcher: Any, loops: LoopPenalty | None = None) -> None:
         self.compiled = compiled
+        self.loops = LoopPenalty() if loops is None else loops
         self._m = matcher
         self._history: list[int] = []  # engine tokens consumed per step, or _EOS_STEP
+        self._chunks: list[bytes] = []  # the bytes each step added (the output so far, for the loop penalty)
+        self._penalty: tuple[int, torch.Tensor | None] | None = None
         self._ended = False
         self._version = 0
         self._owner = next(_owners)
@@ -512,13 +529,37 @@ class ConstraintState:
         self._mask = (self._version, mask)
         return mask
 
+    @property
+    def text(self) -> bytes:
+        """The output bytes accepted so far (tokens and texts, as committed)."""
+        return b"".join(self._chunks)
+
+    def loop_penalties(self, ahead: str = "") -> dict[int, float]:
+        """Penalty per next byte after the output and then ``ahead`` (:func:`~ensemble_core.repetition.loop_penalties`)."""
+        return loop_penalties(self.text + ahead.encode("utf-8"), self.loops)
+
+    def penalty(self) -> torch.Tensor | None:
+        """Float ``[vocab_size]``: the loop penalty of each token here, None when there is none (cached per position)."""
+        if self._penalty is None or self._penalty[0] != self._version:
+            vec = None
+            if self.loops.active and not self._ended:
+                vec = penalty_vector(self.loop_penalties(), self.compiled.first_bytes)
+            self._penalty = (self._version, vec)
+        return self._penalty[1]
+
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (``[V]`` or ``[n, V]``, every row at this position) with disallowed tokens at -inf."""
+        """``logits`` (``[V]`` or ``[n, V]``, every row at this position) with disallowed tokens at -inf.
+
+        Tokens that would continue a repeat lose their :meth:`penalty` too (an allowed token
+        stays finite, so the grammar always has a way on).
+        """
         if logits.shape[-1] != self.vocab_size:
             raise ConstraintError(f"The logits have {logits.shape[-1]} columns but the constraint was compiled for "
                                   f"vocab_size={self.vocab_size}. Compile it with the model's number of output rows "
                                   "(Member.vocab_size).")
-        return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+        masked = logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+        penalty = self.penalty()
+        return masked if penalty is None else masked - penalty.to(masked.device, masked.dtype)
 
     def accepts_text(self, text: str, *, end: bool = False) -> bool:
         """Would ``text`` be accepted here (and, with ``end=True``, complete the value)? The state is unchanged.
@@ -544,7 +585,7 @@ class ConstraintState:
         if token_id in self.compiled.eos_token_ids:
             if not self.can_end:
                 return False
-            self._push(_EOS_STEP)
+            self._push(_EOS_STEP, b"")
             self._ended = True
             return True
         if self._ended or not 0 <= token_id < self.compiled._n_shared:
@@ -552,7 +593,7 @@ class ConstraintState:
         if self._m.try_consume_tokens([token_id]) != 1:
             self._raise_if_error()
             return False
-        self._push(1)
+        self._push(1, self.compiled._lltok.decode_bytes([token_id]))
         return True
 
     def accept_text(self, text: str) -> bool:
@@ -568,7 +609,7 @@ class ConstraintState:
             self._m.rollback(n)
             self._raise_if_error()
             return False
-        self._push(len(ids))
+        self._push(len(ids), text.encode("utf-8"))
         return True
 
     def checkpoint(self) -> Checkpoint:
@@ -593,6 +634,7 @@ class ConstraintState:
             return
         undone = self._history[-steps:]
         del self._history[-steps:]
+        del self._chunks[-steps:]
         if _EOS_STEP in undone:
             self._ended = False
         tokens = sum(n for n in undone if n > 0)
@@ -602,8 +644,9 @@ class ConstraintState:
         self._version += 1
 
     # ------------------------------------------------------------------ internals
-    def _push(self, entry: int) -> None:
+    def _push(self, entry: int, chunk: bytes) -> None:
         self._history.append(entry)
+        self._chunks.append(chunk)
         self._version += 1
 
     def _ids(self, text: str) -> list[int]:

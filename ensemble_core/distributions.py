@@ -234,6 +234,14 @@ class Candidates:
         at = torch.tensor(idx, dtype=torch.long)
         return Candidates(tuple(self.keys[i] for i in idx), self.member_probs[:, at], self.fused[at], self.drafter_top[at])
 
+    def reweighted(self, factors: torch.Tensor) -> Candidates:
+        """The same candidates with ``fused`` scaled by ``factors`` (a penalty on some of them).
+
+        Not renormalized: a penalized candidate's mass is gone, as a masked token's is, so
+        :func:`sharpen` sees how sure the members still are about the rest.
+        """
+        return Candidates(self.keys, self.member_probs, self.fused * factors.to(self.fused.dtype), self.drafter_top)
+
 
 def grammar_allows(grammar: Any, prefix: str, key: Key) -> bool:
     """Whether ``grammar`` (a ``constraints.ConstraintState`` at the committed text) accepts ``prefix`` then ``key``."""

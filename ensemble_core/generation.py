@@ -61,6 +61,11 @@ class GenerationConfig:
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: Any = None
     response_format: Any = None
+    #: Under a grammar (a forced tool call, a response format): logits taken from tokens that
+    #: would continue a repeat of more than 24 bytes, growing with the repeat, so a member that
+    #: loops inside the JSON ends the value instead of running into the token budget
+    #: (:mod:`ensemble_core.repetition`). 0 turns it off; free text is never penalized.
+    loop_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +86,8 @@ class GenerationConfig:
             object.__setattr__(self, "do_sample", False)
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidOptionError("top_p", self.top_p, "a number in (0, 1]")
+        if not _is_number(self.loop_penalty) or self.loop_penalty < 0:
+            raise InvalidOptionError("loop_penalty", self.loop_penalty, "a number >= 0 (0 turns the loop penalty off)")
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidOptionError("seed", self.seed, "an integer or None")
         request = structured_request(self.tools, self.tool_choice, self.response_format)

@@ -72,6 +72,7 @@ from .distributions import (
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
 from .members import Member
+from .repetition import text_factors
 from .rows import TensorRows, delegate, window_probs
 from .stats import MemberStats, SafeStats
 from .view import MemberView, start_views
@@ -446,6 +447,10 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
                 return (EndOfText() if draft.eos and point == len(draft.ids) - 1
                         else member_table(request.views[request.drafter].member).keys[draft.ids[point]]), prefixes
             candidates = allowed
+            penalties = grammar.loop_penalties(prefix)  # the verifiers scored without it (ensemble_core.repetition)
+            if penalties:
+                candidates = allowed.reweighted(text_factors(penalties, [
+                    None if isinstance(k, EndOfText) else k for k in allowed.keys]))
         scores = sharpen(candidates, request.config.sharpening)
         return candidates.keys[choose_token(scores, request.config, request.generator)], prefixes
 

@@ -9,6 +9,7 @@ recorded for reading, not judged. Records go to ``parse_rates.jsonl`` (one line 
 a run resumes where it stopped); the per-method summary to ``parse_rates.json``.
 
     .venv/bin/python docs/results/agents/parse_rates.py [--max-tokens 160] [--threads 1] [--methods safe specem every-token]
+        [--loop-penalty X] [--only PROMPT_PART ...] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 from langchain_ensemble import ChatEnsemble  # noqa: E402
 from test_agents import METHODS, PAIR, STRUCTURED_PROMPTS, TOOL_PROMPTS, TOOLS, _valid_call  # noqa: E402
+
+from ensemble_core.generation import GenerationConfig  # noqa: E402
 
 
 def tool_record(chat: ChatEnsemble, prompt: str, choice: str) -> dict:
@@ -66,6 +69,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--loop-penalty", type=float, default=None,
+                        help="GenerationConfig.loop_penalty (default: the library's; 0 = the rates before it existed)")
+    parser.add_argument("--only", nargs="+", default=None, help="run only prompts containing one of these strings")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("parse_rates.json"))
     args = parser.parse_args()
     if args.threads:
@@ -75,10 +81,11 @@ def main() -> None:
     seen = {(r["method"], r["kind"], r["prompt"]) for r in done}
     with log.open("a") as sink:
         for method in args.methods:
-            chat = ChatEnsemble(members=PAIR, method=method, max_tokens=args.max_tokens)
+            options = {} if args.loop_penalty is None else {"loop_penalty": args.loop_penalty}
+            chat = ChatEnsemble(members=PAIR, method=method, max_tokens=args.max_tokens, **options)
             jobs = [("tool", p, c) for p, c in TOOL_PROMPTS] + [("pydantic", p, s) for p, s in STRUCTURED_PROMPTS]
             for kind, prompt, extra in jobs:
-                if (method, kind, prompt) in seen:
+                if (method, kind, prompt) in seen or (args.only and not any(o in prompt for o in args.only)):
                     continue
                 make = tool_record if kind == "tool" else structured_record
                 record = {"method": method, **make(chat, prompt, extra)}
@@ -89,7 +96,9 @@ def main() -> None:
     rows = [summarize(m, [r for r in done if r["method"] == m]) for m in args.methods]
     for row in rows:
         print(json.dumps(row), flush=True)
-    args.out.write_text(json.dumps({"members": PAIR, "max_tokens": args.max_tokens, "rows": rows}, indent=1) + "\n")
+    loop_penalty = GenerationConfig().loop_penalty if args.loop_penalty is None else args.loop_penalty
+    args.out.write_text(json.dumps({"members": PAIR, "max_tokens": args.max_tokens, "loop_penalty": loop_penalty,
+                                    "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

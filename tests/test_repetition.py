@@ -1,0 +1,146 @@
+"""The loop penalty (``ensemble_core.repetition``): constrained output that repeats itself ends.
+
+The rule is checked as a pure function on bytes, inside a member's grammar state (its own
+token space, real tokenizers), and end to end: members biased to write an endless list of
+empty strings (a loop the grammar allows forever) run into the token budget without the
+penalty and close the value with it, for every method.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance", reason="constrained decoding needs llguidance: pip install 'llguidance>=1.9,<2'")
+
+from test_agents import METHODS, biased_member  # noqa: E402
+
+from ensemble_core import Ensemble  # noqa: E402
+from ensemble_core.constraints import JsonConstraint, compile_constraint  # noqa: E402
+from ensemble_core.errors import InvalidOptionError  # noqa: E402
+from ensemble_core.generation import GenerationConfig  # noqa: E402
+from ensemble_core.repetition import LoopPenalty, loop_penalties, text_factors  # noqa: E402
+from ensemble_core.testing import bundled_tokenizer  # noqa: E402
+
+RULE = LoopPenalty()
+TAGS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "minItems": 1}},
+        "required": ["tags"], "additionalProperties": False}
+
+
+# ----------------------------------------------------------------------------- the rule on bytes
+def test_a_repeat_penalizes_the_byte_that_continues_it_and_grows() -> None:
+    item = b', "L\xc3\xa9a"'  # 7 bytes without the space (whitespace is not seen)
+    short = b'{"tags": ["L\xc3\xa9a"' + item * 2  # 13 repeated bytes: free
+    assert loop_penalties(short, RULE) == {}
+    penalties = [loop_penalties(b'{"tags": ["L\xc3\xa9a"' + item * k, RULE) for k in (4, 5, 6)]
+    assert all(set(p) == {ord(",")} for p in penalties)
+    values = [p[ord(",")] for p in penalties]
+    assert values[0] >= RULE.multiplier and values[0] < values[1] < values[2]
+    # one more unit (7 bytes) multiplies the penalty by base ** (7 / 4)
+    assert values[1] / values[0] == pytest.approx(RULE.base ** (7 / RULE.bytes_per_step))
+    # a digit run: the next same digit is penalized, nothing else
+    assert set(loop_penalties(b'{"x": 0.' + b"3" * 40, RULE)) == {ord("3")}
+
+
+def test_keys_between_different_values_and_whitespace() -> None:
+    # consecutive objects repeat their keys, but a different value breaks the run: no penalty
+    items = b'[{"sku": "A-1", "quantity": 4, "price": 2.5}, {"sku": "A-2", "quantity": '
+    assert loop_penalties(items, RULE) == {}
+    # changing the indentation does not escape a repeat (JSON whitespace is not seen)
+    flat = b'{"tags": ["ab"' + b', "ab"' * 6
+    pretty = b'{"tags": [\n  "ab"' + b',\n    "ab"' * 3 + b', "ab"' * 3
+    assert loop_penalties(pretty, RULE) == loop_penalties(flat, RULE) != {}
+    assert loop_penalties(flat, LoopPenalty(multiplier=0)) == {}
+
+
+def test_text_factors_down_weight_candidates_by_their_first_visible_byte() -> None:
+    factors = text_factors({ord(","): 2.0}, [b",", b' , "x"', b"]", None, b""])
+    assert factors.tolist() == pytest.approx([float(torch.exp(torch.tensor(-2.0)))] * 2 + [1.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize("bad", [{"multiplier": -1}, {"multiplier": True}, {"base": 0.5}, {"allowed": 0},
+                                 {"max_period": 200}])
+def test_bad_rules_are_typed_errors(bad: dict) -> None:
+    with pytest.raises(InvalidOptionError):
+        LoopPenalty(**bad)
+
+
+def test_loop_penalty_option_is_validated() -> None:
+    assert GenerationConfig().loop_penalty == 1.0
+    for bad in (-0.5, "1", None):
+        with pytest.raises(InvalidOptionError, match="loop_penalty"):
+            GenerationConfig(loop_penalty=bad)
+
+
+# ----------------------------------------------------------------------------- in a member's token space
+@pytest.mark.parametrize("alias", ["smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct"])
+def test_grammar_state_penalizes_only_tokens_that_continue_the_repeat(alias: str) -> None:
+    tokenizer = bundled_tokenizer(alias)
+    compiled = compile_constraint(JsonConstraint(TAGS), tokenizer, len(tokenizer))
+    state = compiled.start()
+    assert state.accept_text('{"tags": ["ab"' + ', "ab"' * 3)
+    assert state.penalty() is None  # 14 repeated bytes: free
+    mark, plain = state.checkpoint(), state.mask_logits(torch.zeros(state.vocab_size))
+    assert state.accept_text(', "ab"' * 3)
+    logits = state.mask_logits(torch.zeros(state.vocab_size))
+    # the grammar's choice is unchanged (same finite entries); only tokens starting with "," lose
+    assert torch.equal(torch.isfinite(logits), state.allowed())
+    comma, close = (tokenizer.encode(t, add_special_tokens=False)[0] for t in (",", "]"))
+    assert logits[comma] < -1.0 and logits[close] == 0.0
+    assert state.text.endswith(b', "ab"')
+    state.restore(mark)  # rolled back with the grammar position
+    assert state.penalty() is None and torch.equal(state.mask_logits(torch.zeros(state.vocab_size)), plain)
+    off = compiled.start(LoopPenalty(multiplier=0))
+    assert off.accept_text('{"tags": ["ab"' + ', "ab"' * 6) and off.penalty() is None
+
+
+# ----------------------------------------------------------------------------- end to end, every method
+def looping_bias(raw: bytes, special: bool) -> float:
+    """Compact JSON that closes every string at once and always wants one more list item.
+
+    The closing quote is far ahead of anything else (+20), so the penalty ends the list
+    (``]`` against ``,``: +6) before it could open the string (a ``,`` inside it: +6).
+    """
+    if special or not raw:
+        return 0.0
+    if raw.isspace():
+        return -30.0
+    if raw == b'"':
+        return 20.0
+    if raw == b",":
+        return 6.0
+    return -5.0 if raw[:1] in (b'"', b",") else 0.0  # no merged '",' or '""' tokens
+
+
+@pytest.fixture(scope="module")
+def looping_pair() -> list:
+    return [biased_member("smollm2-135m-instruct", looping_bias, name="looping-smollm2"),
+            biased_member("gemma3-270m", looping_bias, name="looping-gemma3")]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_looping_list_ends_with_the_penalty_and_not_without(looping_pair: list, method: str) -> None:
+    ensemble = Ensemble(looping_pair, method=method)
+    cut = ensemble.generate("Tags?", response_format=TAGS, max_new_tokens=96, loop_penalty=0)
+    assert cut.finish_reason == "length" and cut.text.count('""') > 20, cut.text
+    done = ensemble.generate("Tags?", response_format=TAGS, max_new_tokens=96)
+    assert done.finish_reason == "eos", done.text
+    tags = json.loads(done.text)["tags"]
+    assert 8 <= len(tags) < cut.text.count('""') and set(tags) == {""}
+
+
+def test_the_option_reaches_the_langchain_adapter(looping_pair: list) -> None:
+    from langchain_core.exceptions import OutputParserException
+    from langchain_ensemble import ChatEnsemble
+    from pydantic import BaseModel
+
+    class Tags(BaseModel):
+        tags: list[str]
+
+    parsed = ChatEnsemble(members=looping_pair, method="every-token", max_tokens=96).with_structured_output(Tags)
+    assert 8 <= len(parsed.invoke("Tags?").tags) < 20
+    off = ChatEnsemble(members=looping_pair, method="every-token", max_tokens=96, loop_penalty=0)
+    with pytest.raises(OutputParserException, match="token budget"):
+        off.with_structured_output(Tags).invoke("Tags?")
