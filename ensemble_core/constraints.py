@@ -64,7 +64,7 @@ from .errors import (
     UnknownToolError,
     UnsupportedTokenizerError,
 )
-from .repetition import LoopPenalty, first_bytes, loop_penalties, penalty_vector
+from .repetition import LoopPenalty, first_visible_bytes, loop_penalties, penalty_vector
 from .structured import map_subschemas
 
 if TYPE_CHECKING:
@@ -405,7 +405,14 @@ class CompiledConstraint:
     @property
     def first_bytes(self) -> torch.Tensor:
         """Int16 ``[vocab_size]``: each token's first non-whitespace byte (-1: none), read once per tokenizer."""
-        return first_bytes(self._lltok, self.vocab_size)
+        return _first_bytes(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+
+@functools.lru_cache(maxsize=16)
+def _first_bytes(tokenizer: Any, vocab_size: int, eos: frozenset[int]) -> torch.Tensor:
+    from .distributions import token_table  # the fusion's token texts (cached per tokenizer)
+
+    return first_visible_bytes(token_table(tokenizer, vocab_size, sorted(eos)).keys)
 
 
 @functools.lru_cache(maxsize=128)

@@ -26,6 +26,7 @@ from .batching import Batcher, BatchingConfig, Binding, bound
 from .chat import Prompt
 from .errors import ConfigurationError, InvalidOptionError, NoMembersError
 from .members import Member
+from .repetition import LoopPenalty
 from .stats import RequestStats
 from .structured import StructuredOutput, StructuredRequest, ToolCall, parse_output, structured_request
 
@@ -86,19 +87,23 @@ class GenerationConfig:
             object.__setattr__(self, "do_sample", False)
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidOptionError("top_p", self.top_p, "a number in (0, 1]")
-        if not _is_number(self.loop_penalty) or self.loop_penalty < 0:
-            raise InvalidOptionError("loop_penalty", self.loop_penalty, "a number >= 0 (0 turns the loop penalty off)")
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidOptionError("seed", self.seed, "an integer or None")
         request = structured_request(self.tools, self.tool_choice, self.response_format)
         if self.tools is not None:
             object.__setattr__(self, "tools", tuple(self.tools))
         object.__setattr__(self, "_structured", request)
+        object.__setattr__(self, "_loops", LoopPenalty(multiplier=self.loop_penalty))  # validates loop_penalty
 
     @property
     def structured(self) -> StructuredRequest:
         """The request's tools / tool choice / response format, validated (:mod:`ensemble_core.structured`)."""
         return self._structured  # type: ignore[attr-defined]
+
+    @property
+    def loops(self) -> LoopPenalty:
+        """The loop penalty of constrained output (:mod:`ensemble_core.repetition`)."""
+        return self._loops  # type: ignore[attr-defined]
 
     def replace(self, **overrides: Any) -> GenerationConfig:
         """A copy with ``overrides`` applied (and validated); unknown names raise."""

@@ -34,9 +34,9 @@ to the members (their golden outputs stay as they are).
 
 from __future__ import annotations
 
-import functools
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -112,18 +112,14 @@ def loop_penalties(text: bytes, rule: LoopPenalty) -> dict[int, float]:
     return out
 
 
-@functools.lru_cache(maxsize=16)
-def first_bytes(lltokenizer: Any, size: int) -> torch.Tensor:
-    """Int16 ``[size]``: the first non-whitespace byte of every token id's text, -1 for none and special tokens."""
-    special = set(int(i) for i in getattr(lltokenizer, "special_token_ids", ()) or ())
-    out = torch.full((size,), -1, dtype=torch.int16)
-    for i in range(min(size, int(lltokenizer.vocab_size))):
-        if i in special or lltokenizer.is_special_token(i):
-            continue
-        b = lltokenizer.decode_bytes([i]).lstrip(JSON_WHITESPACE)
-        if b:
-            out[i] = b[0]
-    return out
+def first_visible_bytes(keys: Sequence[bytes | None]) -> torch.Tensor:
+    """Int16 ``[len(keys)]``: each token's first byte after JSON whitespace, -1 for none (EOS, whitespace).
+
+    ``keys`` are the token texts of a member's vocabulary
+    (:func:`ensemble_core.distributions.token_table`, already built for the fusion).
+    """
+    visible = [k.lstrip(JSON_WHITESPACE) if k else b"" for k in keys]
+    return torch.tensor([v[0] if v else -1 for v in visible], dtype=torch.int16)
 
 
 def penalty_vector(penalties: dict[int, float], firsts: torch.Tensor) -> torch.Tensor | None:
@@ -144,4 +140,4 @@ def text_factors(penalties: dict[int, float], texts: list[bytes | None]) -> torc
     as a token starting with it would be.
     """
     firsts = [(t or b"").lstrip(JSON_WHITESPACE)[:1] for t in texts]
-    return torch.tensor([float(np.exp(-penalties.get(f[0], 0.0))) if f else 1.0 for f in firsts])
+    return torch.tensor([math.exp(-penalties.get(f[0], 0.0)) if f else 1.0 for f in firsts])

@@ -23,7 +23,6 @@ from .chat import Prompt
 from .constraints import compile_for_member
 from .generation import GenerationConfig, make_generator
 from .members import DecodeState, Member
-from .repetition import LoopPenalty
 from .structured import request_constraint
 
 
@@ -104,7 +103,6 @@ def start_views(members: Sequence[Member], prompt: Prompt, config: GenerationCon
     """
     structured = config.structured if config.structured.active else None
     constraint = request_constraint(structured) if structured else None
-    loops = LoopPenalty(multiplier=config.loop_penalty)
     views = []
     for i, m in enumerate(members):
         generator = None
@@ -112,6 +110,6 @@ def start_views(members: Sequence[Member], prompt: Prompt, config: GenerationCon
             own = config.replace(seed=config.seed + i) if config.do_sample and config.seed is not None else config
             generator = make_generator(own)
         state = m.start(prompt, config.max_new_tokens, structured)
-        grammar = compile_for_member(constraint, m).start(loops) if constraint is not None else None
+        grammar = compile_for_member(constraint, m).start(config.loops) if constraint is not None else None
         views.append(MemberView(m, state, m.response_lead(prompt, structured), EMPTY, generator, grammar))
     return views
