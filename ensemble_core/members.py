@@ -34,6 +34,7 @@ from .errors import (
     PromptTooLongError,
     UnknownAliasError,
 )
+from .head import use_few_row_head
 from .structured import StructuredRequest, with_instructions
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -174,6 +175,7 @@ def _load_objects(spec: MemberSpec) -> tuple[Any, Any]:
         model.to(spec.device or "cpu")
     model.eval()
     model.requires_grad_(False)
+    use_few_row_head(model)  # verify windows and batched steps ask the head for a few rows: see head.py
     return model, tokenizer
 
 
