@@ -214,6 +214,7 @@ class Batcher:
         self._queues: dict[int, tuple[Any, list[Job]]] = {}
         self._participants: dict[int, Participant] = {}
         self._flushing = False
+        self._last_pass = 0.0
 
     # ---------------------------------------------------------------- requests
     def join(self) -> Participant:
@@ -263,8 +264,8 @@ class Batcher:
                     if taken:
                         self._flush(taken)
                         continue
-                oldest = min((j.queued_at for _, q in self._queues.values() for j in q), default=None)
-                timeout = max_wait if oldest is None else max(oldest + max_wait - time.perf_counter(), 1e-4)
+                since = self._waiting_since()
+                timeout = max_wait if since is None else max(since + max_wait - time.perf_counter(), 1e-4)
                 self._cond.wait(timeout)
         if job.error is not None:
             raise job.error
@@ -277,8 +278,8 @@ class Batcher:
         if not queued:
             return []
         everyone = all(p.waiting > 0 for p in self._participants.values())
-        oldest = min(j.queued_at for _, q in queued for j in q)
-        if not everyone and time.perf_counter() - oldest < max_wait:
+        since = self._waiting_since()
+        if not everyone and since is not None and time.perf_counter() - since < max_wait:
             return []
         rows = self.config.max_batch_rows
         taken = []
@@ -286,6 +287,17 @@ class Batcher:
             taken.append((member, queue[:rows]))
             del queue[:rows]
         return taken
+
+    def _waiting_since(self) -> float | None:
+        """Start of the current wait: the oldest queued job, or the end of the last pass if later.
+
+        A job queued while a pass ran is already old when the pass ends, but the requests
+        that were inside that pass only now get their rows back: timing the wait from the
+        job would flush at once, before they can queue their next call, and split the
+        batch into small passes (measured: SpecEM, 8 requests, 130 s vs 65-79 s).
+        """
+        oldest = min((j.queued_at for _, q in self._queues.values() for j in q), default=None)
+        return None if oldest is None else max(oldest, self._last_pass)
 
     def _flush(self, taken: list[tuple[Any, list[Job]]]) -> None:
         """Run the taken jobs without the lock (called and returning with it held)."""
@@ -297,6 +309,7 @@ class Batcher:
         finally:
             self._cond.acquire()
             self._flushing = False
+            self._last_pass = time.perf_counter()
             for _, jobs in taken:
                 for job in jobs:
                     if job.result is None and job.error is None:
