@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ensemble_core import Ensemble, Member
-from ensemble_core.batching import Batcher, BatchingConfig, batched_forward, batching_config, plan_groups
+from ensemble_core.batching import Batcher, BatchingConfig, Job, batched_forward, batching_config, plan_groups
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.testing import random_ids, tiny_member
 
@@ -206,6 +206,23 @@ def test_plan_groups_keeps_a_long_prefill_apart() -> None:
     assert plan_groups([1, 1, 1, 300, 1], 2.0) == [[0, 1, 2, 4], [3]]
     assert plan_groups([1, 3, 5, 2], 2.0) == [[0, 3, 1, 2]]
     assert plan_groups([], 2.0) == []
+
+
+def test_the_straggler_wait_counts_from_the_end_of_the_last_pass() -> None:
+    """A call queued while a pass ran is old when the pass ends; the requests that were in that
+    pass must still get ``max_wait_ms`` to queue their next call, or the batch splits into small passes."""
+    batcher = Batcher(BatchingConfig(max_wait_ms=10_000))
+    batcher.join()  # a request busy in Python: not waiting
+    waiting = batcher.join()
+    long_ago = time.perf_counter() - 60.0
+    job = Job(None, [1], torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), [0],
+              lambda: torch.zeros(1, 2), participant=waiting, queued_at=long_ago)
+    waiting.waiting = 1
+    batcher._queues[0] = (object(), [job])
+    batcher._last_pass = time.perf_counter()  # a pass just ended
+    assert batcher._ready(10.0) == []
+    batcher._last_pass = long_ago  # ... but a straggler is not waited for forever
+    assert batcher._ready(10.0) == [(batcher._queues[0][0], [job])]
 
 
 @pytest.mark.parametrize("field,value", [("max_batch_rows", 0), ("max_batch_rows", True), ("max_wait_ms", -1),
