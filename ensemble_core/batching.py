@@ -12,7 +12,8 @@ method's :class:`Batcher` and blocks until its rows come back.
 When to run (the flush rule). A request is a :class:`Participant`; it is *active* while
 its thread runs a method step. The batcher runs everything queued as soon as every live
 participant has a job waiting (nobody else can still add a row), or when the oldest job
-has waited ``max_wait_ms`` (a participant busy elsewhere, e.g. building a token table,
+has waited ``max_wait_ms``, counted from its queueing or from the end of the last pass,
+whichever is later (a participant busy elsewhere, e.g. building a token table,
 never stalls the others for long; nothing can deadlock). A request that finishes, is
 cancelled or sits between two steps of a slow stream consumer is simply not active, and
 one that starts joins at the next flush: continuous batching for free.
@@ -58,9 +59,10 @@ class BatchingConfig:
     ``max_wait_ms``: the longest a queued row waits for requests still busy elsewhere
     before its pass runs without them (100: after a pass, eight requests' Python work
     runs one at a time under the GIL before they all queue again; SpecEM x8 on the real
-    pair made 3.3-3.5 tokens/s with 20 ms, 3.9-4.4 with 100, 4.2 with 300). ``max_pad_ratio``: rows of very different lengths
-    (a 300-token prefill next to one-token decode steps) go to separate passes when
-    padding would more than multiply the tokens computed by this ratio.
+    pair made 3.3-3.5 tokens/s with 20 ms, 3.9-4.4 with 100, 4.2 with 300).
+    ``max_pad_ratio``: rows of very different lengths (a 300-token prefill next to
+    one-token decode steps) go to separate passes when padding would more than multiply
+    the tokens computed by this ratio.
     """
 
     enabled: bool = True
