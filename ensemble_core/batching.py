@@ -10,11 +10,12 @@ candidate scoring). Each call becomes a :class:`Job`; a request's thread submits
 method's :class:`Batcher` and blocks until its rows come back.
 
 When to run (the flush rule). A request is a :class:`Participant`; it is *active* while
-its thread runs a method step. The batcher runs everything queued as soon as every live
-participant has a job waiting (nobody else can still add a row), or when the oldest job
-has waited ``max_wait_ms``, counted from its queueing or from the end of the last pass,
-whichever is later (a participant busy elsewhere, e.g. building a token table,
-never stalls the others for long; nothing can deadlock). A request that finishes, is
+its thread runs a method step (with as many threads as run its members, when a method
+runs them in threads). The batcher runs everything queued as soon as every active thread
+of every live participant has a job waiting (nobody else can still add a row), or when
+the queue has waited ``max_wait_ms``, counted from the end of the last pass or the latest
+job queued, but at most ``PATIENCE`` times that (a participant busy elsewhere, e.g.
+building a token table, never stalls the others for long; nothing can deadlock). A request that finishes, is
 cancelled or sits between two steps of a slow stream consumer is simply not active, and
 one that starts joins at the next flush: continuous batching for free.
 
@@ -40,7 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,13 +63,19 @@ class BatchingConfig:
     pair made 3.3-3.5 tokens/s with 20 ms, 3.9-4.4 with 100, 4.2 with 300).
     ``max_pad_ratio``: rows of very different lengths (a 300-token prefill next to
     one-token decode steps) go to separate passes when padding would more than multiply
-    the tokens computed by this ratio.
+    the tokens computed by this ratio. ``max_pad_tokens``: nor may padding add more than
+    this many tokens to a pass (None: no limit). Long rows are compute-bound on a CPU, and
+    a padded token costs as much as a real one while a separate pass costs about one
+    weight read: eight GSM8K prompts (90-174 tokens) prefilled in one padded pass took
+    3.0-3.1 s on either bundled model, 2.3 s in pairs, 2.6-3.0 s one by one. 64 is about
+    one weight read's worth of tokens for the bundled members on this CPU.
     """
 
     enabled: bool = True
     max_batch_rows: int = 16
     max_wait_ms: float = 100.0
     max_pad_ratio: float = 2.0
+    max_pad_tokens: int | None = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -82,6 +89,9 @@ class BatchingConfig:
         ratio = self.max_pad_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 1:
             raise InvalidOptionError("batching.max_pad_ratio", ratio, "a number >= 1")
+        pad = self.max_pad_tokens
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
+            raise InvalidOptionError("batching.max_pad_tokens", pad, "an integer >= 0, or None for no limit")
 
 
 def batching_config(value: Any) -> BatchingConfig:
@@ -132,7 +142,13 @@ def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Call
 
 @dataclass
 class Participant:
-    """One request as the batcher sees it: active while its thread runs a step."""
+    """One request as the batcher sees it.
+
+    ``active``: how many of its threads may submit a job now (1 while its thread runs a
+    step; the number of member threads while a method runs its members in threads, see
+    :meth:`Batcher.threads`; 0 while paused). ``waiting``: its jobs queued and not yet done.
+    The request holds up a pass only while ``waiting < active``.
+    """
 
     active: int = 0
     waiting: int = 0
@@ -195,6 +211,18 @@ def current() -> Binding | None:
     return getattr(_LOCAL, "binding", None)
 
 
+def member_threads(count: int) -> Any:
+    """Context manager for a request about to run ``count`` member threads (see :meth:`Batcher.threads`).
+
+    Yields the ``done`` callback each thread calls when it finishes; without a batcher
+    (unbatched decoding) it is a no-op.
+    """
+    binding = current()
+    if binding is None:
+        return nullcontext(lambda: None)
+    return binding.batcher.threads(binding.participant, count)
+
+
 def run_job(binding: Binding | None, member: Any, job: Job) -> torch.Tensor:
     """Run ``job`` now (no binding) or through the request's batcher."""
     if binding is None:
@@ -203,6 +231,9 @@ def run_job(binding: Binding | None, member: Any, job: Job) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- the batcher
+#: The longest wait for a request that has not queued, in units of ``max_wait_ms``, while others keep queueing.
+PATIENCE = 4
+
 class Batcher:
     """Per-ensemble scheduler: one queue per model, flushed by whichever waiting thread sees it ready.
 
@@ -219,6 +250,7 @@ class Batcher:
         self._participants: dict[int, Participant] = {}
         self._flushing = False
         self._last_pass = 0.0
+        self._last_submit = 0.0
 
     # ---------------------------------------------------------------- requests
     def join(self) -> Participant:
@@ -244,6 +276,39 @@ class Batcher:
         """The request is finished (or abandoned)."""
         self.pause(participant)
 
+    @contextmanager
+    def threads(self, participant: Participant, count: int) -> Iterator[Callable[[], None]]:
+        """The request's thread hands its turn to ``count`` member threads until the block ends.
+
+        Each member thread calls the yielded ``done`` when it will submit no more jobs. A
+        pass then waits for every member thread that is still working (not just for one job
+        of the request): the members' draft steps of one request land in the same pass
+        instead of alternating between two half-empty ones (measured: SpecEM x8 on the pair
+        ran SmolLM2 in 8-row passes next to Gemma-3 in 1-row passes, and then the reverse).
+        """
+        left = [count]
+
+        def done() -> None:
+            with self._cond:
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+                if left[0] > 0:  # the last thread's turn goes back to the request's thread
+                    participant.active -= 1
+                    self._cond.notify_all()  # the others may have been waiting for this thread only
+
+        with self._cond:
+            participant.active += count - 1
+            self._participants[id(participant)] = participant
+        try:
+            yield done
+        finally:
+            with self._cond:
+                if left[0] > 0:
+                    participant.active -= left[0] - 1
+                    left[0] = 0
+                    self._cond.notify_all()
+
     def live(self) -> int:
         """How many requests are running now (active or with a pass queued)."""
         with self._cond:
@@ -262,14 +327,15 @@ class Batcher:
             participant.waiting += 1
             self._participants[id(participant)] = participant
             self._queues.setdefault(id(member.model), (member, []))[1].append(job)
+            self._last_submit = job.queued_at
             while not job.done:
                 if not self._flushing:
                     taken = self._ready(max_wait)
                     if taken:
                         self._flush(taken)
                         continue
-                since = self._waiting_since()
-                timeout = max_wait if since is None else max(since + max_wait - time.perf_counter(), 1e-4)
+                deadline = self._deadline(max_wait)
+                timeout = max_wait if deadline is None else max(deadline - time.perf_counter(), 1e-4)
                 self._cond.wait(timeout)
         if job.error is not None:
             raise job.error
@@ -281,9 +347,9 @@ class Batcher:
         queued = [(m, q) for m, q in self._queues.values() if q]
         if not queued:
             return []
-        everyone = all(p.waiting > 0 for p in self._participants.values())
-        since = self._waiting_since()
-        if not everyone and since is not None and time.perf_counter() - since < max_wait:
+        everyone = all(p.waiting >= p.active for p in self._participants.values())
+        deadline = self._deadline(max_wait)
+        if not everyone and deadline is not None and time.perf_counter() < deadline:
             return []
         rows = self.config.max_batch_rows
         taken = []
@@ -292,16 +358,24 @@ class Batcher:
             del queue[:rows]
         return taken
 
-    def _waiting_since(self) -> float | None:
-        """Start of the current wait: the oldest queued job, or the end of the last pass if later.
+    def _deadline(self, max_wait: float) -> float | None:
+        """When the queued jobs run even though some request has not queued yet (None: nothing queued).
 
-        A job queued while a pass ran is already old when the pass ends, but the requests
-        that were inside that pass only now get their rows back: timing the wait from the
-        job would flush at once, before they can queue their next call, and split the
-        batch into small passes (measured: SpecEM, 8 requests, 130 s vs 65-79 s).
+        The wait starts at the oldest queued job or at the end of the last pass, whichever
+        is later: a job queued while a pass ran is already old when the pass ends, but the
+        requests that were inside that pass only now get their rows back (timing the wait
+        from the job split SpecEM x8 into 1-2-row passes: 130 s vs 65-79 s). While other
+        requests keep queueing jobs, the wait is extended to ``max_wait`` after the latest
+        one, up to ``PATIENCE`` times ``max_wait``: after a verify pass, eight requests'
+        scoring and bookkeeping run one at a time under the GIL and can take longer than
+        ``max_wait``, and a pass started while some of them still compute is slowed by them
+        (measured: a 9-token verify-tail pass of 6 rows took 1.6 s instead of 0.55 s).
         """
         oldest = min((j.queued_at for _, q in self._queues.values() for j in q), default=None)
-        return None if oldest is None else max(oldest, self._last_pass)
+        if oldest is None:
+            return None
+        since = max(oldest, self._last_pass)
+        return min(max(since, self._last_submit) + max_wait, since + PATIENCE * max_wait)
 
     def _flush(self, taken: list[tuple[Any, list[Job]]]) -> None:
         """Run the taken jobs without the lock (called and returning with it held)."""
@@ -327,7 +401,8 @@ class Batcher:
 
     def _run_member(self, member: Any, jobs: list[Job]) -> None:
         with torch.inference_mode():
-            for group in plan_groups([len(j.ids) for j in jobs], self.config.max_pad_ratio):
+            for group in plan_groups([len(j.ids) for j in jobs], self.config.max_pad_ratio,
+                                     self.config.max_pad_tokens):
                 self._run_group(member, [jobs[i] for i in group])
 
     def _run_group(self, member: Any, jobs: list[Job]) -> None:
@@ -367,20 +442,26 @@ class Batcher:
 
 
 # ----------------------------------------------------------------------------- pure helpers
-def plan_groups(lengths: Sequence[int], max_pad_ratio: float) -> list[list[int]]:
+def plan_groups(lengths: Sequence[int], max_pad_ratio: float, max_pad_tokens: int | None = None) -> list[list[int]]:
     """Indices of rows to run together: sorted by length, a group grows while padding stays cheap.
 
     A row joins the current group when the padded token count ``rows * longest`` stays
     within ``max_pad_ratio`` times the real tokens (plus a few: short rows are nearly free
-    in a memory-bound pass). A long prefill therefore runs on its own, next to a batch of
-    one-token decode steps, instead of padding all of them to its length.
+    in a memory-bound pass) and adds at most ``max_pad_tokens`` padding tokens in all. A
+    long prefill therefore runs on its own, next to a batch of one-token decode steps,
+    instead of padding all of them to its length; prefills of different lengths run in
+    several passes of similar lengths.
     """
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups: list[list[int]] = []
     real = 0
     for i in order:
         n = lengths[i]
-        if groups and (len(groups[-1]) + 1) * n <= max_pad_ratio * (real + n) + 8:
+        padded = (len(groups[-1]) + 1) * n if groups else 0
+        fits = padded <= max_pad_ratio * (real + n) + 8
+        if fits and max_pad_tokens is not None:
+            fits = padded - real - n <= max_pad_tokens
+        if groups and fits:
             groups[-1].append(i)
             real += n
         else:

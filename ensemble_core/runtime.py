@@ -325,6 +325,7 @@ class Run:
 
     def run(self) -> GenerationResult:
         """Generate to the end (blocking) and return the result."""
+        self.stream.drained = True
         for _ in self:
             pass
         assert self.result is not None

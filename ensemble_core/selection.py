@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import alignment
+from . import alignment, batching
 from .alignment import PARTIAL_CHAR_TOKENS, REPLACEMENT_CHAR, Tokenized, decode_suffix
 from .errors import ConfigurationError, InvalidOptionError
 from .generation import GenerationConfig, choose_token
@@ -183,8 +183,16 @@ def run_all(fn: Callable[[T], R], items: Sequence[T], parallel: bool) -> list[R]
     """``[fn(x) for x in items]``, in threads when ``parallel`` (see :func:`use_threads`)."""
     if not parallel or len(items) < 2:
         return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=len(items)) as pool:
-        return list(pool.map(fn, items))
+    with batching.member_threads(len(items)) as done:
+
+        def work(x: T) -> R:
+            try:
+                return fn(x)
+            finally:
+                done()
+
+        with ThreadPoolExecutor(max_workers=len(items)) as pool:
+            return list(pool.map(work, items))
 
 
 def use_threads(members: Sequence[Member], config: SelectionConfig) -> bool:

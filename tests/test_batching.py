@@ -208,6 +208,14 @@ def test_plan_groups_keeps_a_long_prefill_apart() -> None:
     assert plan_groups([], 2.0) == []
 
 
+def test_plan_groups_splits_prefills_whose_padding_would_cost_more_than_a_pass() -> None:
+    prompts = [90, 99, 108, 120, 121, 129, 135, 174]  # eight GSM8K prompts' token counts
+    assert plan_groups(prompts, 2.0) == [list(range(8))]  # the ratio alone pads 416 tokens
+    assert plan_groups(prompts, 2.0, 64) == [[0, 1, 2, 3], [4, 5, 6], [7]]
+    assert plan_groups([1] * 8 + [17, 18, 19, 19], 2.0, 64) == [list(range(8)), [8, 9, 10, 11]]
+    assert plan_groups([1, 17, 18, 19], 2.0, 64) == [[0, 1, 2, 3]]  # 18 padding tokens beat a second pass
+
+
 def test_the_straggler_wait_counts_from_the_end_of_the_last_pass() -> None:
     """A call queued while a pass ran is old when the pass ends; the requests that were in that
     pass must still get ``max_wait_ms`` to queue their next call, or the batch splits into small passes."""
@@ -221,12 +229,63 @@ def test_the_straggler_wait_counts_from_the_end_of_the_last_pass() -> None:
     batcher._queues[0] = (object(), [job])
     batcher._last_pass = time.perf_counter()  # a pass just ended
     assert batcher._ready(10.0) == []
+    batcher._last_pass = time.perf_counter() - 15.0  # max_wait has passed, but others still queue:
+    batcher._last_submit = time.perf_counter()  # wait on, up to PATIENCE * max_wait
+    assert batcher._ready(10.0) == []
     batcher._last_pass = long_ago  # ... but a straggler is not waited for forever
     assert batcher._ready(10.0) == [(batcher._queues[0][0], [job])]
 
 
+def test_a_pass_waits_for_every_member_thread_of_a_request() -> None:
+    """A request running its members in threads holds up a pass until each of them has queued
+    (or finished): one queued job of the request is not enough (fails on the rule that counted
+    requests: its members' draft steps then alternated between half-empty passes)."""
+    batcher = Batcher(BatchingConfig(max_wait_ms=10_000))
+    request = batcher.join()
+    batcher._last_pass = time.perf_counter()
+
+    def queue() -> Job:
+        job = Job(None, [1], torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), [0],
+                  lambda: torch.zeros(1, 2), participant=request, queued_at=time.perf_counter())
+        request.waiting += 1
+        batcher._queues.setdefault(len(batcher._queues), (object(), []))[1].append(job)
+        return job
+
+    with batcher.threads(request, 2) as done:
+        assert request.active == 2
+        queue()  # one member thread queued, the other still computes
+        assert batcher._ready(10.0) == []
+        queue()
+        assert len(batcher._ready(10.0)) == 2  # both members' rows run in this flush
+        request.waiting = 0
+        done()
+        assert request.active == 1  # the other thread still works
+        done()
+        assert request.active == 1  # the last one hands the turn back to the request's thread
+    assert request.active == 1
+    with batcher.threads(request, 3):  # threads that never report done are accounted at the end
+        assert request.active == 3
+    assert request.active == 1
+
+
+def test_generate_keeps_its_request_active_between_deltas(llama: Member) -> None:
+    """``generate`` takes every delta at once, so its request is never paused: a pass is not
+    started without it while it is about to queue (a stream with its own consumer is paused)."""
+    ens = Ensemble([llama], method="single", max_new_tokens=8)
+    batcher = ens.method.batcher
+    pauses = []
+    original = batcher.pause
+    batcher.pause = lambda p: (pauses.append(p), original(p))[1]  # a counting wrapper, the real pause runs
+    ens.generate(PROMPTS[1])
+    paused_by_generate = len(pauses)
+    deltas = list(ens.stream(PROMPTS[1]))
+    assert paused_by_generate == 1  # only ``leave`` at the end
+    assert len(pauses) - paused_by_generate == len(deltas) + 1
+
+
 @pytest.mark.parametrize("field,value", [("max_batch_rows", 0), ("max_batch_rows", True), ("max_wait_ms", -1),
-                                         ("max_pad_ratio", 0.5), ("enabled", "yes")])
+                                         ("max_pad_ratio", 0.5), ("enabled", "yes"),
+                                         ("max_pad_tokens", -1), ("max_pad_tokens", 2.5)])
 def test_bad_batching_options_raise_typed_errors(field: str, value: object) -> None:
     with pytest.raises(InvalidOptionError, match=field):
         BatchingConfig(**{field: value})
