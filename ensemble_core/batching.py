@@ -323,6 +323,10 @@ class Batcher:
         """Queue ``job`` and block until its rows are computed (by this thread or another)."""
         max_wait = self.config.max_wait_ms / 1000.0
         with self._cond:
+            alone = self._alone(participant)
+        if alone:
+            return self._run_alone(member, job)
+        with self._cond:
             job.participant, job.queued_at = participant, time.perf_counter()
             participant.waiting += 1
             self._participants[id(participant)] = participant
@@ -341,6 +345,25 @@ class Batcher:
             raise job.error
         assert job.result is not None
         return job.result
+
+    def _alone(self, participant: Participant) -> bool:
+        """Whether ``participant`` is the only running request and nothing is queued or running."""
+        return (not self._flushing and list(self._participants) == [id(participant)]
+                and not any(q for _, q in self._queues.values()))
+
+    def _run_alone(self, member: Any, job: Job) -> torch.Tensor:
+        """A lone request's call: the plain pass, now, in the calling thread.
+
+        Nothing can share it, and its members' threads (SpecEM drafting with both members at
+        once) then overlap their passes exactly as unbatched decoding does instead of taking
+        turns in the batcher (measured: SpecEM x1 at 0.74x of unbatched before this).
+        """
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            result = job.direct()
+        self._record(member, jobs=1, lengths=[len(job.ids)], padded=len(job.ids), batched=False,
+                     seconds=time.perf_counter() - t0)
+        return result
 
     def _ready(self, max_wait: float) -> list[tuple[Any, list[Job]]]:
         """The jobs to run now (up to ``max_batch_rows`` per model), or [] to keep waiting."""
@@ -406,7 +429,6 @@ class Batcher:
                 self._run_group(member, [jobs[i] for i in group])
 
     def _run_group(self, member: Any, jobs: list[Job]) -> None:
-        stats = self.stats
         t0 = time.perf_counter()
         results: list[torch.Tensor] | None = None
         if len(jobs) > 1:
@@ -414,31 +436,38 @@ class Batcher:
                 results = batched_forward(member.model, jobs)
             except Exception:  # noqa: BLE001 - an unexpected layout: fall back to exact per-row passes
                 results = None
+        lengths = [len(j.ids) for j in jobs]
         if results is not None:
             for job, rows in zip(jobs, results):
                 job.result = rows
-            stats.batched_calls += 1
-            calls = 1
-            width = max(len(j.ids) for j in jobs)
-            stats.padded_tokens += width * len(jobs)
-        else:
-            calls = 0
-            for job in jobs:
-                try:
-                    job.result = job.direct()
-                except Exception as exc:  # handed to the request's own thread
-                    job.error = exc
-                calls += 1
-            stats.fallback_rows += len(jobs) if len(jobs) > 1 else 0
-            stats.padded_tokens += sum(len(j.ids) for j in jobs)
-        stats.model_calls += calls
-        stats.rows += len(jobs)
-        stats.real_tokens += sum(len(j.ids) for j in jobs)
-        stats.max_rows = max(stats.max_rows, len(jobs) if results is not None else 1)
-        name = member.name
-        stats.calls_by_member[name] = stats.calls_by_member.get(name, 0) + calls
-        stats.rows_by_member[name] = stats.rows_by_member.get(name, 0) + len(jobs)
-        stats.seconds_by_member[name] = stats.seconds_by_member.get(name, 0.0) + time.perf_counter() - t0
+            self._record(member, jobs=len(jobs), lengths=lengths, padded=max(lengths) * len(jobs), batched=True,
+                         seconds=time.perf_counter() - t0)
+            return
+        for job in jobs:
+            try:
+                job.result = job.direct()
+            except Exception as exc:  # handed to the request's own thread
+                job.error = exc
+        self._record(member, jobs=len(jobs), lengths=lengths, padded=sum(lengths), batched=False,
+                     seconds=time.perf_counter() - t0)
+
+    def _record(self, member: Any, jobs: int, lengths: list[int], padded: int, batched: bool,
+                seconds: float) -> None:
+        """Count a group's passes: one batched call, or one plain call per job (a fallback when > 1)."""
+        with self._cond:  # lone requests' member threads record concurrently
+            stats = self.stats
+            calls = 1 if batched else jobs
+            stats.model_calls += calls
+            stats.batched_calls += int(batched)
+            stats.fallback_rows += jobs if not batched and jobs > 1 else 0
+            stats.rows += jobs
+            stats.real_tokens += sum(lengths)
+            stats.padded_tokens += padded
+            stats.max_rows = max(stats.max_rows, jobs if batched else 1)
+            name = member.name
+            stats.calls_by_member[name] = stats.calls_by_member.get(name, 0) + calls
+            stats.rows_by_member[name] = stats.rows_by_member.get(name, 0) + jobs
+            stats.seconds_by_member[name] = stats.seconds_by_member.get(name, 0.0) + seconds
 
 
 # ----------------------------------------------------------------------------- pure helpers

@@ -309,6 +309,20 @@ def test_a_lone_request_is_never_padded(llama: Member) -> None:
     assert isinstance(ens.method.batcher, Batcher) and time.perf_counter() > 0
 
 
+def test_a_lone_request_runs_its_member_threads_without_the_batcher(llama: Member, gemma: Member) -> None:
+    """Alone, SpecEM's member threads overlap their passes as unbatched decoding does: nothing
+    is queued or flushed (they used to take turns in the batcher: 0.74x of unbatched)."""
+    ens = Ensemble([llama, gemma], method="specem", max_new_tokens=8, parallel=True)
+    batcher = ens.method.batcher
+    flushes = []
+    original = batcher._flush
+    batcher._flush = lambda taken: (flushes.append(len(taken)), original(taken))[1]  # counting, the real flush runs
+    alone = Ensemble([llama, gemma], method="specem", max_new_tokens=8, parallel=True, batching=False)
+    assert ens.generate(PROMPTS[3]).text == alone.generate(PROMPTS[3]).text
+    assert flushes == [] and batcher.stats.model_calls > 0 and batcher.stats.batched_calls == 0
+    assert sorted(batcher.stats.calls_by_member) == sorted([llama.name, gemma.name])
+
+
 @pytest.mark.real
 def test_real_pair_batched_safe_and_single_equal_unbatched(real_pair: list[Member]) -> None:
     prompts = ["What is 7 times 8?", "Name a fruit.", "Say hello in French.", "What colour is grass?"]
