@@ -326,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8, 16],
                    help="--throughput: numbers of concurrent requests to measure")
     p.add_argument("--sequential", type=int, default=None,
-                   help="--throughput: prompts run one after another for the baseline (default: the largest concurrency)")
+                   help="--throughput: at most this many prompts run one after another for each level's "
+                        "baseline, half before and half after its batched run (default: as many as the level)")
     p.set_defaults(func=cmd_bench)
     add_serve_parser(sub)  # ``ensemble serve``; FastAPI is imported only when it runs
     return parser

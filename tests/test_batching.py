@@ -350,3 +350,23 @@ def test_throughput_report_and_targets() -> None:
     assert any("throughput" in t.value for t in load_targets())
     ordinary = evaluate_targets({}, {}, None)  # the per-question bench leaves throughput targets to --throughput
     assert not [t for t in ordinary if t["id"].startswith("batching")]
+
+
+def test_each_throughput_level_brackets_its_own_baseline(llama: Member, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine's speed drifts over minutes, so each level's one-by-one baseline runs half
+    just before and half just after its batched run (not once at the start for every level)."""
+    from ensemble_core.bench.throughput import ThroughputOptions, measure_method
+
+    events: list[str] = []
+    generate, batch = Ensemble.generate, Ensemble.batch
+    monkeypatch.setattr(Ensemble, "generate", lambda self, *a, **k: (events.append("alone"), generate(self, *a, **k))[1])
+    monkeypatch.setattr(Ensemble, "batch", lambda self, *a, **k: (events.append("batch"), batch(self, *a, **k))[1])
+    options = ThroughputOptions(methods=("single",), concurrency=(1, 4), max_new_tokens=4, sequential_requests=2,
+                                warmup=False)
+    result = measure_method("single", [llama], PROMPTS[:4], options)
+    # level 1: its one prompt before the batch; level 4: 2 prompts (the cap), one on each side
+    assert events == ["alone", "batch", "alone", "batch", "alone"]
+    one, four = result["levels"]["1"], result["levels"]["4"]
+    assert (one["baseline_requests"], four["baseline_requests"]) == (1, 2)
+    assert (one["identical_outputs"], four["identical_outputs"]) == (1, 2) and four["tokens"] > 0
+    assert four["batcher"]["rows"] > 0 and four["speedup"] is not None

@@ -2,11 +2,14 @@
 
 For each method (single model, SAFE, SpecEM by default) the same GSM8K prompts run
 
-* **one after another** with batching off (each request alone: the throughput a caller got
-  before cross-request batching), measured once over the largest concurrency's prompts;
-  the rate for ``c`` requests is the first ``c`` requests' tokens over their seconds;
 * **concurrently**, ``c`` at a time through ``Ensemble.batch`` (batching on), for every
-  ``c`` in ``concurrency``.
+  ``c`` in ``concurrency``;
+* **one after another** with batching off (each request alone: the throughput a caller got
+  before cross-request batching), the same first ``c`` prompts (at most
+  ``sequential_requests``), half of them just before the batched run and half just after.
+  Each level brackets its own baseline because this machine's speed drifts over minutes
+  (measured: the same batched SpecEM run took 35 s and, half an hour later, 59 s), so a
+  baseline measured once at the start compared levels with a different machine.
 
 Reported per method and ``c``: total output tokens per second both ways and their ratio
 (the speed-up the targets in ``targets.json`` are about), the mean per-request latency
@@ -54,8 +57,9 @@ class ThroughputOptions:
     offset: int = 0
     stop: tuple[str, ...] = ("\nQuestion:",)
     latency_at: int = 8
-    #: How many prompts run one after another for the baseline (None: the largest concurrency).
-    #: A concurrency above it is compared with the baseline's rate over all of them (marked "est.").
+    #: At most this many prompts run one after another for each level's baseline (None: as many
+    #: as the level runs at once). A level above it is compared with the rate of its first
+    #: ``sequential_requests`` prompts (marked "est.").
     sequential_requests: int | None = None
     out: str = "results/throughput"
     threads: int | None = None
@@ -88,9 +92,19 @@ def _stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any
     return out
 
 
+def _one_by_one(ensemble: Ensemble, prompts: list[Any]) -> list[tuple[int, float, str]]:
+    """Each prompt alone, in order: (completion tokens, seconds, text)."""
+    out = []
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        r = ensemble.generate(prompt)
+        out.append((r.completion_tokens, time.perf_counter() - t0, r.text))
+    return out
+
+
 def measure_method(method: str, members: list[Member], prompts: list[Any], options: ThroughputOptions,
                    progress: Any = None) -> dict[str, Any]:
-    """One method: sequential baseline once, then each concurrency level batched.
+    """One method: each concurrency level batched, bracketed by its one-by-one baseline.
 
     ``progress(result_so_far)`` is called after every level (the caller writes partial results).
     """
@@ -101,23 +115,21 @@ def measure_method(method: str, members: list[Member], prompts: list[Any], optio
     if options.warmup:
         for ens in (alone, together):
             ens.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
-    sequential = []
-    for prompt in prompts[:options.sequential_requests or len(prompts)]:
-        t0 = time.perf_counter()
-        r = alone.generate(prompt)
-        sequential.append((r.completion_tokens, time.perf_counter() - t0, r.text))
     levels: dict[str, Any] = {}
     result = {"members": [m.name for m in ms], "levels": levels}
     for c in options.concurrency:
+        baseline = prompts[:min(c, options.sequential_requests or c)]
+        half = (len(baseline) + 1) // 2
+        seq = _one_by_one(alone, baseline[:half])
         batcher = together.method.batcher
         assert batcher is not None
         before = batcher.stats.as_dict()
         t0 = time.perf_counter()
         results = together.batch(prompts[:c])
         wall = time.perf_counter() - t0
-        seq = sequential[:c]
-        seq_tokens, seq_seconds = sum(t for t, _, _ in seq), sum(s for _, s, _ in seq) * c / len(seq)
-        seq_tokens = seq_tokens * c / len(seq)  # c > len(seq): the baseline's rate, scaled to c requests
+        after = batcher.stats.as_dict()
+        seq += _one_by_one(alone, baseline[half:])
+        seq_tokens, seq_seconds = sum(t for t, _, _ in seq), sum(s for _, s, _ in seq)
         tokens = sum(r.completion_tokens for r in results)
         batched_rate = tokens / wall if wall else 0.0
         seq_rate = seq_tokens / seq_seconds if seq_seconds else 0.0
@@ -126,9 +138,9 @@ def measure_method(method: str, members: list[Member], prompts: list[Any], optio
             "tokens_per_s": round(batched_rate, 3), "sequential_tokens_per_s": round(seq_rate, 3),
             "speedup": round(batched_rate / seq_rate, 3) if seq_rate else None,
             "mean_latency_s": round(statistics.mean(r.seconds for r in results), 3),
-            "sequential_mean_latency_s": round(seq_seconds / c, 3), "baseline_requests": len(seq),
+            "sequential_mean_latency_s": round(seq_seconds / len(seq), 3), "baseline_requests": len(seq),
             "identical_outputs": sum(r.text == s[2] for r, s in zip(results, seq)),
-            "batcher": _stats_delta(batcher.stats.as_dict(), before),
+            "batcher": _stats_delta(after, before),
         }
         print(f"{method} x{c}: {batched_rate:.2f} tok/s batched vs {seq_rate:.2f} alone "
               f"({levels[str(c)]['speedup']}x)", file=sys.stderr, flush=True)
