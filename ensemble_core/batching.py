@@ -15,9 +15,10 @@ runs them in threads). The batcher runs everything queued as soon as every activ
 of every live participant has a job waiting (nobody else can still add a row), or when
 the queue has waited ``max_wait_ms``, counted from the end of the last pass or the latest
 job queued, but at most ``PATIENCE`` times that (a participant busy elsewhere, e.g.
-building a token table, never stalls the others for long; nothing can deadlock). A request that finishes, is
-cancelled or sits between two steps of a slow stream consumer is simply not active, and
-one that starts joins at the next flush: continuous batching for free.
+building a token table, never stalls the others for long; nothing can deadlock). A
+request that finishes, is cancelled or sits between two steps of a slow stream consumer
+is simply not active, and one that starts joins at the next flush: continuous batching
+for free. A request running alone skips the queue (its passes run in its own threads).
 
 How to run (:func:`batched_forward`). Jobs of one model are grouped by length (padding
 wastes compute: :func:`plan_groups`); a group of one row runs the member's ordinary,
@@ -338,6 +339,9 @@ class Batcher:
                     if taken:
                         self._flush(taken)
                         continue
+                if self._flushing:  # only the pass's end can change anything, and it notifies everyone:
+                    self._cond.wait()  # rows left queued (over max_batch_rows) must not poll next to it
+                    continue
                 deadline = self._deadline(max_wait)
                 timeout = max_wait if deadline is None else max(deadline - time.perf_counter(), 1e-4)
                 self._cond.wait(timeout)

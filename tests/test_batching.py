@@ -283,6 +283,41 @@ def test_generate_keeps_its_request_active_between_deltas(llama: Member) -> None
     assert len(pauses) - paused_by_generate == len(deltas) + 1
 
 
+def test_rows_left_queued_do_not_poll_while_a_pass_runs() -> None:
+    """Rows over ``max_batch_rows`` wait for the running pass to end (it notifies them) instead of
+    waking every 0.1 ms once their deadline has passed, next to the pass, on the same cores."""
+    batcher = Batcher(BatchingConfig(max_batch_rows=1, max_wait_ms=0))
+    first, second = batcher.join(), batcher.join()
+    entered, release = threading.Event(), threading.Event()
+
+    def job(block: bool) -> Job:
+        def direct() -> torch.Tensor:
+            if block:
+                entered.set()
+                release.wait(30)
+            return torch.zeros(1, 2)
+        return Job(None, [1], torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), [0], direct)
+
+    class Member:
+        name, model = "m", object()
+
+    results: list[torch.Tensor] = []
+    a = threading.Thread(target=lambda: results.append(batcher.submit(Member, first, job(True))))
+    a.start()
+    assert entered.wait(30)  # the first row's pass is running
+    deadlines = []
+    original = batcher._deadline
+    batcher._deadline = lambda wait: (deadlines.append(wait), original(wait))[1]  # counting, the real rule runs
+    b = threading.Thread(target=lambda: results.append(batcher.submit(Member, second, job(False))))
+    b.start()
+    time.sleep(0.2)  # time to poll, if it did
+    polled = len(deadlines)
+    release.set()
+    a.join(30)
+    b.join(30)
+    assert len(results) == 2 and polled == 0
+
+
 @pytest.mark.parametrize("field,value", [("max_batch_rows", 0), ("max_batch_rows", True), ("max_wait_ms", -1),
                                          ("max_pad_ratio", 0.5), ("enabled", "yes"),
                                          ("max_pad_tokens", -1), ("max_pad_tokens", 2.5)])
