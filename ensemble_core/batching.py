@@ -310,11 +310,6 @@ class Batcher:
                     left[0] = 0
                     self._cond.notify_all()
 
-    def live(self) -> int:
-        """How many requests are running now (active or with a pass queued)."""
-        with self._cond:
-            return len(self._participants)
-
     def _forget(self, participant: Participant) -> None:
         if participant.active <= 0 and participant.waiting <= 0:
             self._participants.pop(id(participant), None)

@@ -366,12 +366,12 @@ class GenerationStream:
             if end > start:
                 if first is None:
                     first = time.perf_counter() - t0
-                pause = binding is not None and not self.drained
-                if pause:
-                    binding.batcher.pause(binding.participant)
+                paused = binding if binding is not None and not self.drained else None
+                if paused is not None:
+                    paused.batcher.pause(paused.participant)
                 yield raw[start:end]
-                if pause:
-                    binding.batcher.resume(binding.participant)
+                if paused is not None:
+                    paused.batcher.resume(paused.participant)
                 emitted = end
             if done:
                 break
