@@ -9,6 +9,7 @@ penalty and close the value with it, for every method.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -144,3 +145,41 @@ def test_the_option_reaches_the_langchain_adapter(looping_pair: list) -> None:
     off = ChatEnsemble(members=looping_pair, method="every-token", max_tokens=96, loop_penalty=0)
     with pytest.raises(OutputParserException, match="token budget"):
         off.with_structured_output(Tags).invoke("Tags?")
+
+
+# ----------------------------------------------------------------------------- SAFE's ensemble points
+NUMBERS = {"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 9}}},
+           "required": ["n"], "additionalProperties": False}
+
+
+def ones_bias(comma: float) -> Any:
+    """Compact JSON that writes ``1`` for every item and wants ``,`` after it by ``comma`` logits over ``]``."""
+    def bias(raw: bytes, special: bool) -> float:
+        if special or not raw:
+            return 0.0
+        if raw.isspace():
+            return -30.0
+        if raw == b"1":
+            return 20.0
+        if raw == b",":
+            return comma
+        return -5.0 if raw[:1] in (b",", b"1") or raw[-1:] in (b",", b"1") else 0.0  # no merged "1," / ",1"
+    return bias
+
+
+def test_safe_ensemble_points_penalize_a_repeat_the_verifier_would_continue() -> None:
+    """The drafter decodes under the penalty and proposes ``]``; the verifier (+30 for ``,``,
+    scoring without the grammar's penalty) disagrees at every ``1,`` / ``1]`` point, a
+    boundary of both tokenizers. The fused ``,`` must be penalized there too, or the
+    verifier's vote keeps the list going to the token budget (checked: without the
+    reweighting in ``SafeEnsemble._ensemble`` this run ends by length)."""
+    drafter = biased_member("smollm2-135m-instruct", ones_bias(6.0), name="looping-drafter")
+    verifier = biased_member("gemma3-270m", ones_bias(30.0), name="item-loving-verifier")
+    ensemble = Ensemble([drafter, verifier], method="safe")
+    cut = ensemble.generate("Numbers?", response_format=NUMBERS, max_new_tokens=96, loop_penalty=0)
+    assert cut.finish_reason == "length", cut.text
+    done = ensemble.generate("Numbers?", response_format=NUMBERS, max_new_tokens=96)
+    assert done.finish_reason == "eos" and done.stats["ensembled"] > 0, done.text
+    items = json.loads(done.text)["n"]
+    assert set(items) == {1} and 8 <= len(items) < cut.text.count("1,")
