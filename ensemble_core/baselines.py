@@ -22,6 +22,7 @@ from .distributions import (
     Distribution,
     EndOfText,
     check_fusion_options,
+    fusion_weights,
     grammar_allows,
     make_distribution,
     sharpen,
@@ -170,16 +171,19 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
 class EveryTokenConfig(GenerationConfig):
     """Every-token ensembling options: the fusion rule (``"unite"`` or ``"gac"``), its
     ``top_k``, ``sharpening`` (``"none"`` by default: the published baselines do not
-    sharpen) and the ``margin`` of tokens re-encoded behind the end of the text."""
+    sharpen), the ``margin`` of tokens re-encoded behind the end of the text and
+    per-member ``fusion_weights`` (None: uniform; see :class:`~ensemble_core.safe.SafeConfig`)."""
 
     distribution: str = "unite"
     top_k: int = 10
     sharpening: str = "none"
     margin: int = DEFAULT_MARGIN
+    fusion_weights: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_fusion_options(self.distribution, self.top_k, self.sharpening)
+        object.__setattr__(self, "fusion_weights", check_fusion_options(
+            self.distribution, self.top_k, self.sharpening, self.fusion_weights))
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise InvalidOptionError("margin", self.margin, "an integer >= 0")
 
@@ -190,6 +194,7 @@ class _EveryTokenRequest:
     config: EveryTokenConfig
     fusion: Distribution
     generator: torch.Generator | None
+    weights: torch.Tensor | None = None  # fusion weights per member (None: uniform)
     text: str = ""
     ensembled: int = 0
 
@@ -218,8 +223,9 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         key = (config.distribution, config.top_k)
         if key not in self._fusions:
             self._fusions[key] = make_distribution(config.distribution, self.members, config.top_k)
+        weights = fusion_weights(config.fusion_weights, [m.name for m in self.members])
         return _EveryTokenRequest(start_views(self.members, prompt, config), config, self._fusions[key],
-                                  make_generator(config))
+                                  make_generator(config), weights)
 
 
     def step(self, request: _EveryTokenRequest) -> Chunk:
@@ -238,7 +244,7 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
             probs.append(torch.softmax(row.float(), dim=-1))
             view.tokens = tokens
         prefixes = [view.lead.encode("utf-8") if at_start else b"" for view in request.views]
-        candidates = request.fusion.fuse(probs, drafter=0, prefixes=prefixes)
+        candidates = request.fusion.fuse(probs, drafter=0, prefixes=prefixes, weights=request.weights)
         grammar = request.views[0].constraint
         if grammar is not None:  # and only fused strings the grammar accepts
             candidates = candidates.subset([grammar_allows(grammar, "", k) for k in candidates.keys]) or candidates

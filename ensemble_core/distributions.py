@@ -26,15 +26,22 @@ published UniTE code).
 Sharpening (:func:`sharpen`) counters the way averaging over different tokenizations
 spreads mass over "So" / "Sof" / "Sofia": the SAFE paper's prefix merge, or a geometric
 mean that penalises strings one member finds unlikely.
+
+Both papers average the members uniformly, and so does this module by default. With
+members of unequal strength that is a trap: two weak members that agree outvote a strong
+one (measured: the trio SmolLM2 + Gemma-3 + Qwen2.5 loses arith questions Qwen alone gets
+right, docs/benchmarks.md). ``fusion_weights`` (:func:`fusion_weights`) turn the average
+into a weighted one, the geometric mean likewise.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import re
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -209,7 +216,7 @@ class Candidates:
     """A fused distribution over a small set of candidate continuations.
 
     ``member_probs[m, c]`` is member ``m``'s probability of candidate ``c``; ``fused`` their
-    average; ``drafter_top[c]`` whether ``c`` is among the drafter's own top-k (the prefix
+    average (weighted by ``weights`` when given); ``drafter_top[c]`` whether ``c`` is among the drafter's own top-k (the prefix
     merge lifts only those). Earlier candidates win ties (the drafter's come first).
     """
 
@@ -217,6 +224,7 @@ class Candidates:
     member_probs: torch.Tensor
     fused: torch.Tensor
     drafter_top: torch.Tensor
+    weights: torch.Tensor | None = None  # per member, summing to 1; None: uniform
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -232,7 +240,8 @@ class Candidates:
         if not idx:
             return None
         at = torch.tensor(idx, dtype=torch.long)
-        return Candidates(tuple(self.keys[i] for i in idx), self.member_probs[:, at], self.fused[at], self.drafter_top[at])
+        return Candidates(tuple(self.keys[i] for i in idx), self.member_probs[:, at], self.fused[at],
+                          self.drafter_top[at], self.weights)
 
     def reweighted(self, factors: torch.Tensor) -> Candidates:
         """The same candidates with ``fused`` scaled by ``factors`` (a penalty on some of them).
@@ -240,7 +249,8 @@ class Candidates:
         Not renormalized: a penalized candidate's mass is gone, as a masked token's is, so
         :func:`sharpen` sees how sure the members still are about the rest.
         """
-        return Candidates(self.keys, self.member_probs, self.fused * factors.to(self.fused.dtype), self.drafter_top)
+        return Candidates(self.keys, self.member_probs, self.fused * factors.to(self.fused.dtype), self.drafter_top,
+                          self.weights)
 
 
 def grammar_allows(grammar: Any, prefix: str, key: Key) -> bool:
@@ -282,8 +292,8 @@ class Distribution(ABC):
             self._tables = [member_table(m) for m in self.members]
         return self._tables
 
-    def _check(self, probs: Sequence[torch.Tensor], drafter: int,
-               prefixes: Sequence[bytes] | None) -> tuple[list[torch.Tensor], list[bytes]]:
+    def _check(self, probs: Sequence[torch.Tensor], drafter: int, prefixes: Sequence[bytes] | None,
+               weights: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[bytes]]:
         n = len(self.members)
         if len(probs) != n:
             raise InvalidOptionError("probs", f"{len(probs)} vectors", f"one per member ({n})")
@@ -291,6 +301,8 @@ class Distribution(ABC):
             raise InvalidOptionError("drafter", drafter, f"a member index in 0..{n - 1}")
         if prefixes is not None and (len(prefixes) != n or not all(isinstance(x, bytes) for x in prefixes)):
             raise InvalidOptionError("prefixes", prefixes, f"one bytes string per member ({n})")
+        if weights is not None and tuple(weights.shape) != (n,):
+            raise InvalidOptionError("weights", tuple(weights.shape), f"one weight per member ({n}): see fusion_weights()")
         out = []
         for p, table in zip(probs, self.tables):
             p = p.detach().float().reshape(-1).cpu()
@@ -306,8 +318,12 @@ class Distribution(ABC):
 
     @abstractmethod
     def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
-             prefixes: Sequence[bytes] | None = None) -> Candidates:
-        """Fuse one probability vector per member into :class:`Candidates`."""
+             prefixes: Sequence[bytes] | None = None, weights: torch.Tensor | None = None) -> Candidates:
+        """Fuse one probability vector per member into :class:`Candidates`.
+
+        ``weights``: one non-negative weight per member summing to 1 (:func:`fusion_weights`);
+        None averages uniformly, as the papers do.
+        """
 
 
 def _strip_prefix(key: Key, prefix: bytes) -> Key | None:
@@ -334,8 +350,8 @@ class UniTE(Distribution):
     name = "unite"
 
     def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
-             prefixes: Sequence[bytes] | None = None) -> Candidates:
-        probs, prefixes = self._check(probs, drafter, prefixes)
+             prefixes: Sequence[bytes] | None = None, weights: torch.Tensor | None = None) -> Candidates:
+        probs, prefixes = self._check(probs, drafter, prefixes, weights)
         tables = self.tables
         order = [drafter] + [m for m in range(len(probs)) if m != drafter]
         tops: list[list[Key]] = []
@@ -349,7 +365,7 @@ class UniTE(Distribution):
         keys, drafter_top = _gather_candidates(tops, order, drafter)
         member_probs = torch.stack([self._probs_of(keys, p, table, member, prefix)
                                     for p, table, member, prefix in zip(probs, tables, self.members, prefixes)])
-        return Candidates(tuple(keys), member_probs, member_probs.mean(0), drafter_top)
+        return Candidates(tuple(keys), member_probs, weighted_mean(member_probs, weights), drafter_top, weights)
 
     @staticmethod
     def _probs_of(keys: Sequence[Key], p: torch.Tensor, table: TokenTable, member: Any,
@@ -464,20 +480,20 @@ class GaC(Distribution):
         return out
 
     def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
-             prefixes: Sequence[bytes] | None = None) -> Candidates:
-        _, prefixes = self._check(probs, drafter, prefixes)
+             prefixes: Sequence[bytes] | None = None, weights: torch.Tensor | None = None) -> Candidates:
+        _, prefixes = self._check(probs, drafter, prefixes, weights)
         union = self.union
         per_member = self.union_probs(probs, drafter)
         k = self.top_k * len(self.members)
         order = [drafter] + [m for m in range(len(probs)) if m != drafter]
         if not any(prefixes):
-            fused = per_member.mean(0)
+            fused = weighted_mean(per_member, weights)
             drafter_top = self._top_selectable(per_member[drafter], union.selectable, self.top_k)
             chosen = list(dict.fromkeys(drafter_top + self._top_selectable(fused, union.selectable, k)))
             index = torch.tensor(chosen, dtype=torch.long)
             top = torch.zeros(len(chosen), dtype=torch.bool)
             top[: len(drafter_top)] = True
-            return Candidates(tuple(union.key(i) for i in chosen), per_member[:, index], fused[index], top)
+            return Candidates(tuple(union.key(i) for i in chosen), per_member[:, index], fused[index], top, weights)
         tops: list[list[Key]] = []
         for m, prefix in enumerate(prefixes):
             size = self.top_k if m == drafter else k
@@ -491,7 +507,7 @@ class GaC(Distribution):
                 pos = union.position(key if isinstance(key, EndOfText) else prefix + key)
                 if pos is not None:
                     member_probs[m, c] = per_member[m, pos]
-        return Candidates(tuple(keys), member_probs, member_probs.mean(0), drafter_top_mask)
+        return Candidates(tuple(keys), member_probs, weighted_mean(member_probs, weights), drafter_top_mask, weights)
 
 
 DISTRIBUTIONS: dict[str, type[Distribution]] = {"unite": UniTE, "gac": GaC}
@@ -504,14 +520,86 @@ def make_distribution(name: str, members: Sequence[Any], top_k: int = 10) -> Dis
     return DISTRIBUTIONS[name](members, top_k)
 
 
-def check_fusion_options(distribution: Any, top_k: Any, sharpening: Any) -> None:
-    """Validate the fusion options shared by the method configs (typed errors)."""
+def check_fusion_options(distribution: Any, top_k: Any, sharpening: Any, weights: Any = None) -> Any:
+    """Validate the fusion options shared by the method configs (typed errors).
+
+    Returns ``weights`` in the form a frozen config keeps (:func:`normalize_weight_option`).
+    """
     if distribution not in DISTRIBUTIONS:
         raise InvalidOptionError("distribution", distribution, "one of " + ", ".join(DISTRIBUTIONS))
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         raise InvalidOptionError("top_k", top_k, "an integer >= 1")
     if sharpening not in SHARPENING:
         raise InvalidOptionError("sharpening", sharpening, "one of " + ", ".join(SHARPENING))
+    return normalize_weight_option(weights)
+
+
+# ============================================================================ member weights
+WEIGHTS_EXPECTED = ("None, a list with one weight >= 0 per member, or a {member name: weight} mapping "
+                    "(members left out weigh 1); at least one weight > 0")
+
+
+def _weight(value: Any, option: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise InvalidOptionError("fusion_weights", option, WEIGHTS_EXPECTED)
+    return float(value)
+
+
+def normalize_weight_option(weights: Any) -> tuple[float, ...] | tuple[tuple[str, float], ...] | None:
+    """Check ``fusion_weights`` as far as possible without the members; a hashable copy.
+
+    A sequence becomes a tuple of floats, a mapping a tuple of ``(name, weight)`` pairs.
+    How many members there are and what they are called is checked by :func:`fusion_weights`.
+    """
+    if weights is None:
+        return None
+    if isinstance(weights, Mapping) or (isinstance(weights, tuple) and weights and all(
+            isinstance(w, tuple) and len(w) == 2 and isinstance(w[0], str) for w in weights)):
+        pairs = tuple(weights.items()) if isinstance(weights, Mapping) else weights
+        if not pairs or not all(isinstance(name, str) for name, _ in pairs):
+            raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
+        return tuple((name, _weight(w, weights)) for name, w in pairs)
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or not weights:
+        raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
+    values = tuple(_weight(w, weights) for w in weights)
+    if not any(values):
+        raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
+    return values
+
+
+def fusion_weights(weights: Any, names: Sequence[str]) -> torch.Tensor | None:
+    """Per-member fusion weights for members called ``names``, summing to 1 (None: uniform).
+
+    ``weights`` is a config's ``fusion_weights``: one weight per member in member order,
+    or a mapping from member names to weights where members left out weigh 1. Only the
+    ratios matter (``[1, 1, 2]`` is ``[0.25, 0.25, 0.5]``).
+    """
+    option = normalize_weight_option(weights)
+    if option is None:
+        return None
+    if option and isinstance(option[0], tuple):
+        given = dict(option)  # type: ignore[arg-type]
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise InvalidOptionError("fusion_weights", weights,
+                                     f"weights for these members only: {', '.join(names)} (unknown: {', '.join(unknown)})")
+        values = [given.get(name, 1.0) for name in names]
+    else:
+        values = list(option)  # type: ignore[arg-type]
+        if len(values) != len(names):
+            raise InvalidOptionError("fusion_weights", weights,
+                                     f"{len(names)} weights, one per member in order: {', '.join(names)}")
+    total = sum(values)
+    if total <= 0:
+        raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
+    return torch.tensor([v / total for v in values])
+
+
+def weighted_mean(member_probs: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The members' average over dim 0 (``member_probs[m, ...]``), weighted when ``weights`` are given."""
+    if weights is None:
+        return member_probs.mean(0)
+    return torch.tensordot(weights.to(member_probs.dtype), member_probs, dims=1)
 
 
 # ============================================================================ sharpening
@@ -538,9 +626,9 @@ def prefix_merge(keys: Sequence[Key], fused: torch.Tensor, drafter_top: torch.Te
     return scores
 
 
-def geometric_mean(member_probs: torch.Tensor) -> torch.Tensor:
-    """Score each candidate by ``(∏ p_m) ** (1/N)``: one member's doubt counts as a veto."""
-    return torch.exp(torch.log(member_probs.clamp_min(1e-12)).mean(0))
+def geometric_mean(member_probs: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Score each candidate by ``(∏ p_m) ** (1/N)`` (weighted: ``∏ p_m ** w_m``): one member's doubt is a veto."""
+    return torch.exp(weighted_mean(torch.log(member_probs.clamp_min(1e-12)), weights))
 
 
 def sharpen(candidates: Candidates, rule: str = "heuristic", below: float = SHARPEN_BELOW) -> torch.Tensor:
@@ -555,6 +643,6 @@ def sharpen(candidates: Candidates, rule: str = "heuristic", below: float = SHAR
         if rule == "heuristic":
             scores = prefix_merge(candidates.keys, scores, candidates.drafter_top)
         else:
-            scores = geometric_mean(candidates.member_probs)
+            scores = geometric_mean(candidates.member_probs, candidates.weights)
     total = float(scores.sum())
     return scores / total if total > 0 else torch.full_like(scores, 1.0 / len(scores))

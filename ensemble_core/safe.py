@@ -64,6 +64,7 @@ from .distributions import (
     Distribution,
     EndOfText,
     check_fusion_options,
+    fusion_weights,
     grammar_allows,
     make_distribution,
     member_table,
@@ -131,7 +132,9 @@ class SafeConfig(GenerationConfig):
     drafted continuation is at least this (0 never ensembles except to finish a broken
     character; 1 ensembles wherever a verifier disagrees). ``sharpening``: ``"heuristic"``
     (prefix merge), ``"geometric"`` or ``"none"``. ``margin``: verifier tokens re-encoded
-    behind the committed boundary.
+    behind the committed boundary. ``fusion_weights``: per-member weights of the fused
+    distribution and of the consensus average (None: uniform, as published; a list in member
+    order or a ``{name: weight}`` mapping, see :func:`~ensemble_core.distributions.fusion_weights`).
     """
 
     drafter: int = 0
@@ -141,13 +144,15 @@ class SafeConfig(GenerationConfig):
     consensus_threshold: float = 0.5
     sharpening: str = "heuristic"
     margin: int = DEFAULT_MARGIN
+    fusion_weights: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_int("drafter", self.drafter, 0)
         _check_int("lookahead", self.lookahead, 1)
         _check_int("margin", self.margin, 0)
-        check_fusion_options(self.distribution, self.top_k, self.sharpening)
+        object.__setattr__(self, "fusion_weights", check_fusion_options(
+            self.distribution, self.top_k, self.sharpening, self.fusion_weights))
         t = self.consensus_threshold
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 <= t <= 1.0:
             raise InvalidOptionError("consensus_threshold", t, "a number in [0, 1]")
@@ -160,6 +165,7 @@ class SafeRequest:
     drafter: int
     fusion: Distribution
     generator: torch.Generator | None
+    weights: torch.Tensor | None = None  # fusion weights per member (None: uniform)
     text: str = ""
     counters: SafeStats = field(default_factory=lambda: SafeStats("safe"))  # counted as the request runs
     spent: int = 0  # generation steps: accepted drafter tokens + >= 1 per ensemble-chosen string
@@ -266,7 +272,9 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
     def begin(self, prompt: Prompt, config: SafeConfig) -> SafeRequest:
         self._check_drafter(config)
         fusion = self.fusion(config.distribution, config.top_k)
-        return SafeRequest(config, start_views(self.members, prompt, config), config.drafter, fusion, make_generator(config))
+        weights = fusion_weights(config.fusion_weights, [m.name for m in self.members])
+        return SafeRequest(config, start_views(self.members, prompt, config), config.drafter, fusion,
+                           make_generator(config), weights)
 
     def step(self, request: SafeRequest) -> Chunk:
         request.counters.rounds += 1
@@ -353,6 +361,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         drafter_eos = request.views[request.drafter].member.eos_id_tensor
         drafter_keys = member_table(request.views[request.drafter].member).keys
         n_members = len(request.views)
+        share = request.weights.tolist() if request.weights is not None else None
         for j in range(len(draft.ids)):
             is_eos = draft.eos and j == len(draft.ids) - 1
             if draft.bounds[j] is None:  # inside a character (or the lead) for the drafter
@@ -366,7 +375,8 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
                 counters.skipped_oov += 1
                 continue
             p_draft = draft.probs.mass(j, drafter_eos) if is_eos else draft.probs.prob(j, draft.ids[j])
-            average = (p_draft + sum(p for p, _ in supports)) / n_members
+            average = ((p_draft + sum(p for p, _ in supports)) / n_members if share is None else
+                       share[request.drafter] * p_draft + sum(share[w.index] * p for w, (p, _) in zip(windows, supports)))
             if (all(agree for _, agree in supports) or average >= config.consensus_threshold
                     or (config.distribution == "gac" and p_draft >= GAC_DRAFTER_CONFIDENT)):
                 counters.skipped_consensus += 1
@@ -437,7 +447,8 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         probs[request.drafter] = draft.probs.row(point)
         for w in windows:
             probs[w.index] = w.probs.row(w.tokens.tokens_before(request.views[w.index].offset(offset)) - w.first)
-        candidates = request.fusion.fuse(probs, drafter=request.drafter, prefixes=prefixes)  # type: ignore[arg-type]
+        candidates = request.fusion.fuse(probs, drafter=request.drafter, prefixes=prefixes,  # type: ignore[arg-type]
+                                         weights=request.weights)
         grammar = request.views[request.drafter].constraint
         if grammar is not None:  # only candidates every member's grammar accepts (it is one grammar over text)
             grammar.restore(draft.mark)

@@ -14,6 +14,7 @@ from ensemble_core.distributions import (
     END,
     GaC,
     UniTE,
+    fusion_weights,
     geometric_mean,
     is_complete,
     make_distribution,
@@ -101,6 +102,43 @@ def test_unite_counts_a_missing_string_by_its_first_token(tiny_llama: Member, ti
     assert c.keys[int(torch.argmax(c.fused))] == b" Incorrect"
     assert float(c.fused[c.keys.index(b" Incorrect")]) == pytest.approx(0.65)
     assert c.drafter_top.tolist() == [k in (b" Inc", b" wrong") for k in c.keys]
+
+
+@pytest.mark.parametrize("rule", [UniTE, GaC])
+def test_fusion_weights_let_a_strong_member_outvote_two_weak_ones(tiny_llama: Member, tiny_gemma: Member,
+                                                                 rule: type) -> None:
+    # two weak members agree on " wrong"; the third (stronger) member is sure of " right"
+    weak = dist(tiny_llama, {one_id(tiny_llama, " wrong"): 0.7, one_id(tiny_llama, " right"): 0.1})
+    strong = dist(tiny_gemma, {one_id(tiny_gemma, " right"): 0.8, one_id(tiny_gemma, " wrong"): 0.1})
+    fusion = rule([tiny_llama, tiny_llama, tiny_gemma], top_k=3)
+    uniform = fusion.fuse([weak, weak, strong])
+    assert uniform.keys[int(torch.argmax(uniform.fused))] == b" wrong"  # (0.7 + 0.7 + 0.1) / 3 > (0.1 + 0.1 + 0.8) / 3
+    weights = fusion_weights({"strong": 2.0}, ["weak-a", "weak-b", "strong"])
+    assert weights.tolist() == pytest.approx([0.25, 0.25, 0.5])
+    weighted = fusion.fuse([weak, weak, strong], weights=weights)
+    assert weighted.keys[int(torch.argmax(weighted.fused))] == b" right"
+    i = weighted.keys.index(b" right")
+    assert float(weighted.fused[i]) == pytest.approx(0.25 * 0.1 * 2 + 0.5 * 0.8, abs=1e-4)
+    assert weighted.weights is weights and weighted.subset([True] * len(weighted)).weights is weights
+    assert float(weighted.fused.sum()) <= 1.0 + 1e-5  # still probabilities
+    # the geometric mean is weighted the same way: p_weak^0.5 * p_strong^0.5 here
+    assert float(geometric_mean(weighted.member_probs, weights)[i]) == pytest.approx((0.1 * 0.8) ** 0.5, rel=1e-4)
+    with pytest.raises(InvalidOptionError, match="one weight per member"):
+        fusion.fuse([weak, weak, strong], weights=torch.tensor([0.5, 0.5]))
+
+
+def test_fusion_weights_are_checked_and_normalised() -> None:
+    names = ["smollm2", "gemma3"]
+    assert fusion_weights(None, names) is None
+    assert fusion_weights([1, 3], names).tolist() == pytest.approx([0.25, 0.75])
+    assert fusion_weights({"gemma3": 0}, names).tolist() == [1.0, 0.0]  # left-out members weigh 1
+    for bad, says in [([1, 2, 3], "2 weights, one per member in order: smollm2, gemma3"),
+                      ({"qwen": 2}, "unknown: qwen"), ([-1, 1], ">= 0"), ([0, 0], "at least one weight > 0"),
+                      ({"smollm2": 0, "gemma3": 0}, "at least one weight > 0"), ([float("nan"), 1], ">= 0"),
+                      ("1,2", "a list"), ([True, 1], ">= 0")]:
+        with pytest.raises(InvalidOptionError, match="fusion_weights") as info:
+            fusion_weights(bad, names)
+        assert says in str(info.value), (bad, str(info.value))
 
 
 def test_gac_averages_over_the_union_vocabulary(tiny_llama: Member, tiny_gemma: Member) -> None:

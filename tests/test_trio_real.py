@@ -16,6 +16,7 @@ from test_verify_inline import PROMPT, assert_inline_exact
 
 from ensemble_core import Ensemble, Member
 from ensemble_core.alignment import is_common_boundary, tokenize
+from ensemble_core.datasets import cot_prompt, load_dataset, score
 
 pytestmark = pytest.mark.real
 
@@ -71,3 +72,18 @@ def test_other_methods_with_three_members(trio: list[Member], method: str) -> No
     _check(result, trio, {m.name: role for m in trio})
     if method == "specem":
         assert len(result.stats["final_weights"]) == 3 and len(result.stats["wins"]) == 3
+
+
+def test_fusion_weights_let_the_strong_member_outvote_two_weak_ones(trio: list[Member]) -> None:
+    """arith-5 ("6 - 2"), 2-shot as in ``ensemble bench``: SmolLM2 and Gemma-3 both start
+    with ``6 +`` and outvote Qwen's ``6 -`` under the papers' uniform average; with Qwen
+    weighing as much as the two others together the ensemble writes Qwen's ``6 - 2 = 4``."""
+    pool = load_dataset("arith")
+    problem = next(p for p in pool if p.id == "arith-5")
+    prompt = cot_prompt(problem.question, pool[-2:][::-1])  # the bench's two shots (the far end of the set)
+    texts = {}
+    for weights in (None, {trio[2].name: 2.0}):
+        ens = Ensemble(trio, method="safe", max_new_tokens=12, stop=["\nQuestion:"], fusion_weights=weights)
+        texts[weights is None] = ens.generate(prompt).text
+    assert score(texts[False], problem.answer)[1], texts  # weighted: Qwen's answer
+    assert texts[True] != texts[False]  # the weights, not chance, decided it (uniform: "6 + 2 = 8")
