@@ -26,7 +26,8 @@ from typing import Any
 from .datasets import DATASETS, cot_prompt
 from .ensemble import DEFAULT_MEMBERS, METHODS, Ensemble, method_class, resolve_members
 from .errors import ConfigurationError, EnsembleError, InputError, InvalidOptionError
-from .members import Member
+from .members import Member, per_member_options
+from .quantize import SCHEMES
 from .server.cli import add_serve_parser
 
 DEMO_QUESTION = "A farmer has 12 cows. He buys 7 more cows and then sells 4. How many cows does the farmer have now?"
@@ -63,17 +64,8 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, dict[str, Any]]:
 
 
 def member_options(args: argparse.Namespace, count: int) -> list[dict[str, Any]]:
-    """Per-member load options from ``--device`` (one for all, or one per member) and ``--dtype``."""
-    devices = args.device or []
-    if devices and len(devices) not in (1, count):
-        raise InvalidOptionError("--device", devices, f"one device for all members or one per member ({count})")
-    opts = []
-    for i in range(count):
-        o: dict[str, Any] = {"dtype": args.dtype}
-        if devices:
-            o["device"] = devices[i if len(devices) > 1 else 0]
-        opts.append(o)
-    return opts
+    """Per-member load options from ``--device``, ``--dtype`` and ``--quantize`` (one for all, or one per member)."""
+    return per_member_options(count, args.dtype, args.device or (), args.quantize or ())
 
 
 def load_members(args: argparse.Namespace) -> list[Member]:
@@ -85,10 +77,18 @@ def _add_member_flags(p: argparse.ArgumentParser, default_members: bool = True) 
     p.add_argument("--members", nargs="+", metavar="MEMBER", default=None,
                    help="aliases, local directories, .gguf files or Hugging Face ids "
                         f"(default: {' '.join(DEFAULT_MEMBERS)})")
+    add_load_flags(p)
+
+
+def add_load_flags(p: argparse.ArgumentParser) -> None:
+    """``--device``, ``--dtype``, ``--quantize``: how members load (read by :func:`member_options`)."""
     p.add_argument("--device", nargs="+", metavar="DEVICE", default=None,
                    help="one device for all members or one per member, e.g. --device cuda:0 cuda:1 (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="member dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--quantize", nargs="+", metavar="SCHEME", default=None, choices=["none", *SCHEMES],
+                   help="one scheme for all members or one per member, e.g. --quantize none int8: int8 makes a "
+                        "CPU member's linear layers dynamic int8 (faster, different greedy outputs)")
 
 
 # ---------------------------------------------------------------------------- output helpers
@@ -243,7 +243,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = BenchOptions(
         dataset=args.dataset, data_path=args.data_path, limit=args.limit, offset=args.offset, shots=args.shots,
         methods=tuple(args.methods), members=tuple(members), devices=tuple(args.device or ()), dtype=args.dtype,
-        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop,
+        quantize=tuple(args.quantize or ()), max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop,
         every_token_distributions=tuple(args.every_token_distributions),
         safe_drafters=tuple(args.safe_drafters) if args.safe_drafters is not None else None,
         subsets=tuple(args.subsets or ()), method_config=parse_sets(args.set), out=args.out, resume=args.resume,

@@ -35,6 +35,7 @@ from .errors import (
     UnknownAliasError,
 )
 from .head import use_few_row_head
+from .quantize import check_scheme, quantize
 from .structured import StructuredRequest, with_instructions
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -49,7 +50,9 @@ class MemberSpec:
     (float32 on CPU, bfloat16 on GPU), a name or a torch dtype. ``device`` places the whole
     model (``"cpu"``, ``"cuda:1"``); ``device_map`` hands placement to accelerate
     (``"auto"`` or a dict) and excludes ``device``. ``chat_template`` overrides the
-    tokenizer's template; ``attn_implementation`` is passed to transformers.
+    tokenizer's template; ``attn_implementation`` is passed to transformers. ``quantize``
+    (``"int8"``, CPU and float32 only) makes the body's linear layers dynamic int8: faster
+    on a CPU, different greedy outputs (see :mod:`ensemble_core.quantize`).
     """
 
     source: str
@@ -60,6 +63,7 @@ class MemberSpec:
     chat_template: str | None = None
     attn_implementation: str | None = None
     trust_remote_code: bool = False
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, (str, os.PathLike)) or not str(self.source).strip():
@@ -73,6 +77,31 @@ class MemberSpec:
                 torch.device(self.device)
             except (RuntimeError, TypeError) as exc:
                 raise InvalidOptionError("device", self.device, "a torch device string such as 'cpu' or 'cuda:0'") from exc
+        check_scheme(self.quantize, _resolve_dtype(self.dtype, self.device), self.device, self.device_map)
+
+
+def per_member_options(count: int, dtype: Any = "auto", devices: Sequence[str] = (),
+                       quantize: Sequence[str | None] = ()) -> list[dict[str, Any]]:
+    """Load options of ``count`` members from command-line style lists (one value for all, or one per member).
+
+    ``quantize`` values are ``"int8"`` or ``"none"``/None. Shared by ``ensemble`` and
+    ``ensemble bench`` so that both read their flags the same way.
+    """
+    def pick(values: Sequence[Any], flag: str, i: int) -> Any:
+        if len(values) not in (1, count):
+            raise InvalidOptionError(flag, list(values), f"one value for all members or one per member ({count})")
+        return values[i if len(values) > 1 else 0]
+
+    out = []
+    for i in range(count):
+        opts: dict[str, Any] = {"dtype": dtype}
+        if devices:
+            opts["device"] = pick(devices, "--device", i)
+        if quantize:
+            scheme = pick(quantize, "--quantize", i)
+            opts["quantize"] = None if scheme in (None, "none") else scheme
+        out.append(opts)
+    return out
 
 
 def _resolve_dtype(dtype: Any, device: str | None) -> torch.dtype:
@@ -175,6 +204,7 @@ def _load_objects(spec: MemberSpec) -> tuple[Any, Any]:
         model.to(spec.device or "cpu")
     model.eval()
     model.requires_grad_(False)
+    quantize(model, spec.quantize)  # opt-in, the head stays float32: see quantize.py
     use_few_row_head(model)  # verify windows and batched steps ask the head for a few rows: see head.py
     return model, tokenizer
 
@@ -182,7 +212,7 @@ def _load_objects(spec: MemberSpec) -> tuple[Any, Any]:
 def load_objects(spec: MemberSpec) -> tuple[Any, Any]:
     """Load (or fetch from the per-process cache) a model and tokenizer for ``spec``."""
     key = (str(spec.source), str(spec.dtype), spec.device, repr(spec.device_map),
-           spec.attn_implementation, spec.trust_remote_code)
+           spec.attn_implementation, spec.trust_remote_code, spec.quantize)
     with _LOAD_LOCK:
         if key not in _LOADED:
             t0 = time.perf_counter()

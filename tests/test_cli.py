@@ -28,6 +28,10 @@ def test_generate_config_and_member_options() -> None:
     assert member_options(args, 2) == [{"dtype": "bfloat16", "device": "cuda:0"}, {"dtype": "bfloat16", "device": "cuda:1"}]
     with pytest.raises(InvalidOptionError):
         member_options(args, 3)
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--quantize", "none", "int8"])
+    assert member_options(args, 2) == [{"dtype": "auto", "quantize": None}, {"dtype": "auto", "quantize": "int8"}]
+    with pytest.raises(InvalidOptionError, match="--quantize"):
+        member_options(args, 3)
     args = build_parser().parse_args(["bench"])
     assert args.max_new_tokens == 256 and args.dataset == "gsm8k" and len(args.methods) == 5
 

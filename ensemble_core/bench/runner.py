@@ -22,7 +22,7 @@ from ..alignment import decode
 from ..datasets import DEFAULT_SHOTS, Problem, cot_prompt, load_dataset
 from ..ensemble import Ensemble, method_class, resolve_members
 from ..errors import ConfigurationError, EnsembleError, InvalidOptionError
-from ..members import Member
+from ..members import Member, per_member_options
 from ..stats import MemberStats, RequestStats
 from .microbench import verify_microbench
 from .records import RESULTS_FILE, error_record, jsonable, make_record, summarize_rows
@@ -46,6 +46,7 @@ class BenchOptions:
     members: tuple[str, ...] = ("smollm2-135m-instruct", "gemma3-270m")
     devices: tuple[str, ...] = ()
     dtype: str = "auto"
+    quantize: tuple[str | None, ...] = ()  # one scheme for all members or one per member ("none" / "int8")
     max_new_tokens: int = 256
     #: Same for every method: a base model answering through the fallback transcript goes on
     #: to invent the next "Question:" after answering; its answer is then not the last number.
@@ -84,6 +85,10 @@ class BenchOptions:
         if self.devices and len(self.devices) not in (1, len(self.members)):
             raise InvalidOptionError("devices", list(self.devices),
                                      f"one device for all members or one per member ({len(self.members)})")
+        self.quantize = tuple(self.quantize)
+        if self.quantize and len(self.quantize) not in (1, len(self.members)):
+            raise InvalidOptionError("quantize", list(self.quantize),
+                                     f"one scheme for all members or one per member ({len(self.members)})")
         if self.safe_drafters is not None:
             bad_d = [d for d in self.safe_drafters if not 0 <= d < len(self.members)]
             if bad_d:
@@ -369,12 +374,7 @@ def run_bench(options: BenchOptions, members: list[Member] | None = None) -> dic
         chosen_ids = {p.id for p in problems}
         shots = [p for p in reversed(pool) if p.id not in chosen_ids][:n_shots]  # from the far end, never overlapping
     if members is None:
-        member_options: list[dict[str, Any]] = []
-        for i in range(len(options.members)):
-            opts: dict[str, Any] = {"dtype": options.dtype}
-            if options.devices:
-                opts["device"] = options.devices[i if len(options.devices) > 1 else 0]
-            member_options.append(opts)
+        member_options = per_member_options(len(options.members), options.dtype, options.devices, options.quantize)
         members = [resolve_members([name], **opts)[0] for name, opts in zip(options.members, member_options)]
     rows = build_rows(members, options)
     active = [r for r in rows if r.runner is not None]

@@ -34,15 +34,14 @@ THREADS_ENV = "ENSEMBLE_THREADS"
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``serve`` flags to ``p`` (used by ``ensemble serve`` and ``python -m ensemble_core.server``)."""
+    from ..cli import add_load_flags
     from ..ensemble import DEFAULT_MEMBERS, METHODS
     from . import DEFAULT_MAX_BODY_BYTES
 
     p.add_argument("--members", nargs="+", metavar="MEMBER", default=None,
                    help="aliases, local directories, .gguf files or Hugging Face ids "
                         f"(default: {' '.join(DEFAULT_MEMBERS)}); tiny:ALIAS[:SEED] = random-weight test member")
-    p.add_argument("--device", nargs="+", metavar="DEVICE", default=None,
-                   help="one device for all members or one per member (default cpu)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    add_load_flags(p)
     p.add_argument("--method", default="safe", choices=sorted(METHODS))
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="method config default, e.g. --set lookahead=3 --set max_new_tokens=128 (repeatable)")
