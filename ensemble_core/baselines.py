@@ -235,11 +235,13 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         if len(encoded[0][1]) >= config.max_new_tokens:
             return Chunk("", done=True, finish_reason="length")
         probs = []
+        left = config.max_new_tokens - len(encoded[0][1])
         for view, (keep, tokens) in zip(request.views, encoded):
             state = view.state
             state.crop(state.prompt_len + keep)  # also when nothing changed: trims sliding layers as before
             row = next_row(state, tokens.ids[keep:])
             if view.constraint is not None:  # each member under its own token mask
+                view.constraint.set_budget(left)  # closing pressure near the end (ensemble_core.closing)
                 row = view.constraint.mask_logits(row)
             probs.append(torch.softmax(row.float(), dim=-1))
             view.tokens = tokens

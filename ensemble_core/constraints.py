@@ -38,6 +38,9 @@ Conventions (documented here because the ensemble relies on them):
   in :meth:`~ConstraintState.mask_logits`, more with every repeated byte
   (:mod:`ensemble_core.repetition`; ``start(LoopPenalty(multiplier=0))`` turns it off): the
   mask keeps every continuation legal, the penalty makes a looping member end the value.
+* Near the end of the token budget (:meth:`~ConstraintState.set_budget`) tokens that close a
+  string, list or object gain logits (:mod:`ensemble_core.closing`), so that a member that
+  keeps adding new items ends the value before the budget cuts it.
 * The member's EOS ids are allowed exactly when the value is complete (:attr:`~ConstraintState.can_end`);
   special tokens are never allowed inside the value; rows of the model beyond the tokenizer's
   vocabulary (padding) are never allowed.
@@ -57,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .closing import check_margin, closing_penalties, merge_penalties
 from .errors import (
     ConstraintError,
     InvalidSchemaError,
@@ -392,15 +396,17 @@ class CompiledConstraint:
     def __repr__(self) -> str:
         return f"CompiledConstraint({self.constraint!r}, vocab_size={self.vocab_size})"
 
-    def start(self, loops: LoopPenalty | None = None) -> ConstraintState:
+    def start(self, loops: LoopPenalty | None = None, close_margin: int = 0) -> ConstraintState:
         """A grammar position at the start of the output, for one member in one request.
 
         ``loops``: the penalty on continuing a repeat (:mod:`ensemble_core.repetition`; default
         :class:`~ensemble_core.repetition.LoopPenalty`, ``LoopPenalty(multiplier=0)`` turns it off).
+        ``close_margin``: budget tokens before the end where closing tokens gain logits
+        (:mod:`ensemble_core.closing`; 0, the default here, turns it off).
         """
         with self._lock:
             matcher = self._template.deep_copy()
-        return ConstraintState(self, matcher, LoopPenalty() if loops is None else loops)
+        return ConstraintState(self, matcher, LoopPenalty() if loops is None else loops, check_margin(close_margin))
 
     @property
     def first_bytes(self) -> torch.Tensor:
@@ -482,13 +488,16 @@ class ConstraintState:
     the state as it was.
     """
 
-    def __init__(self, compiled: CompiledConstraint, matcher: Any, loops: LoopPenalty | None = None) -> None:
+    def __init__(self, compiled: CompiledConstraint, matcher: Any, loops: LoopPenalty | None = None,
+                 close_margin: int = 0) -> None:
         self.compiled = compiled
         self.loops = LoopPenalty() if loops is None else loops
+        self.close_margin = close_margin
+        self._budget: tuple[int, int] | None = None  # (tokens left, steps when told)
         self._m = matcher
         self._history: list[int] = []  # engine tokens consumed per step, or _EOS_STEP
         self._chunks: list[bytes] = []  # the bytes each step added (the output so far, for the loop penalty)
-        self._penalty: tuple[int, torch.Tensor | None] | None = None
+        self._penalty: tuple[tuple[int, int | None], torch.Tensor | None] | None = None
         self._ended = False
         self._version = 0
         self._owner = next(_owners)
@@ -541,24 +550,41 @@ class ConstraintState:
         """The output bytes accepted so far (tokens and texts, as committed)."""
         return b"".join(self._chunks)
 
-    def loop_penalties(self, ahead: str = "") -> dict[int, float]:
-        """Penalty per next byte after the output and then ``ahead`` (:func:`~ensemble_core.repetition.loop_penalties`)."""
-        return loop_penalties(self.text + ahead.encode("utf-8"), self.loops)
+    def set_budget(self, left: int | None) -> None:
+        """Tell the state how many budget tokens remain now (None: unknown); it counts its own steps from here."""
+        self._budget = None if left is None else (int(left), self.steps)
+
+    @property
+    def budget_left(self) -> int | None:
+        """Budget tokens left: the last :meth:`set_budget` minus the steps taken since (None: never told)."""
+        if self._budget is None:
+            return None
+        left, at = self._budget
+        return left - max(0, self.steps - at)
+
+    def byte_penalties(self, ahead: str = "") -> dict[int, float]:
+        """Penalty per next byte after the output and then ``ahead``: the loop penalty
+        (:func:`~ensemble_core.repetition.loop_penalties`) plus the closing pressure
+        (:func:`~ensemble_core.closing.closing_penalties`, negative: a bonus)."""
+        loops = loop_penalties(self.text + ahead.encode("utf-8"), self.loops)
+        return merge_penalties(loops, closing_penalties(self.budget_left, self.close_margin))
 
     def penalty(self) -> torch.Tensor | None:
-        """Float ``[vocab_size]``: the loop penalty of each token here, None when there is none (cached per position)."""
-        if self._penalty is None or self._penalty[0] != self._version:
+        """Float ``[vocab_size]``: each token's :meth:`byte_penalties` here, None when there are none (cached)."""
+        key = (self._version, self.budget_left)
+        if self._penalty is None or self._penalty[0] != key:
             vec = None
-            if self.loops.active and not self._ended:
-                vec = penalty_vector(self.loop_penalties(), self.compiled.first_bytes)
-            self._penalty = (self._version, vec)
+            if not self._ended:
+                vec = penalty_vector(self.byte_penalties(), self.compiled.first_bytes)
+            self._penalty = (key, vec)
         return self._penalty[1]
 
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (``[V]`` or ``[n, V]``, every row at this position) with disallowed tokens at -inf.
 
-        Tokens that would continue a repeat lose their :meth:`penalty` too (an allowed token
-        stays finite, so the grammar always has a way on).
+        Tokens then lose their :meth:`penalty` (one that would continue a repeat loses logits,
+        one that closes the value near the end of the budget gains some); an allowed token
+        stays finite, so the grammar always has a way on.
         """
         if logits.shape[-1] != self.vocab_size:
             raise ConstraintError(f"The logits have {logits.shape[-1]} columns but the constraint was compiled for "

@@ -24,6 +24,8 @@ import torch
 from .alignment import REPLACEMENT_CHAR
 from .batching import Batcher, BatchingConfig, Binding, bound
 from .chat import Prompt
+from .closing import DEFAULT_MARGIN as DEFAULT_CLOSE_MARGIN
+from .closing import check_margin
 from .errors import ConfigurationError, InvalidOptionError, NoMembersError
 from .members import Member
 from .repetition import LoopPenalty
@@ -67,6 +69,11 @@ class GenerationConfig:
     #: loops inside the JSON ends the value instead of running into the token budget
     #: (:mod:`ensemble_core.repetition`). 0 turns it off; free text is never penalized.
     loop_penalty: float = 1.0
+    #: Under a grammar: over the last ``close_margin`` tokens of the budget, tokens that close a
+    #: string, list or object gain logits (1 at the margin, doubling every 3 tokens), so that a
+    #: member that keeps adding new items still ends the value inside the budget
+    #: (:mod:`ensemble_core.closing`). 0 turns it off; free text is never pushed.
+    close_margin: int = DEFAULT_CLOSE_MARGIN
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +101,7 @@ class GenerationConfig:
             object.__setattr__(self, "tools", tuple(self.tools))
         object.__setattr__(self, "_structured", request)
         object.__setattr__(self, "_loops", LoopPenalty(multiplier=self.loop_penalty))  # validates loop_penalty
+        check_margin(self.close_margin)
 
     @property
     def structured(self) -> StructuredRequest:

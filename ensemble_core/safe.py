@@ -303,6 +303,8 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         context = state.ids[max(0, base - DECODE_CONTEXT):base]
         grammar = view.constraint  # a constrained request: the drafter drafts under its own token mask
         mark = grammar.checkpoint() if grammar is not None else None
+        if grammar is not None:
+            grammar.set_budget(budget)  # closing pressure near the end (ensemble_core.closing)
         ids, probs = draft_tokens(state, limit, budget, config, request.generator, grammar)
         eos = ids[-1] in member.eos_token_ids
         text_ids = ids[:-1] if eos else ids
@@ -458,7 +460,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
                 return (EndOfText() if draft.eos and point == len(draft.ids) - 1
                         else member_table(request.views[request.drafter].member).keys[draft.ids[point]]), prefixes
             candidates = allowed
-            penalties = grammar.loop_penalties(prefix)  # the verifiers scored without it (ensemble_core.repetition)
+            penalties = grammar.byte_penalties(prefix)  # the verifiers scored without them (repetition, closing)
             if penalties:
                 candidates = allowed.reweighted(text_factors(penalties, [
                     None if isinstance(k, EndOfText) else k for k in allowed.keys]))

@@ -192,6 +192,9 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
         t0 = time.perf_counter()
         budget = cfg.max_new_tokens - len(views[0].tokens)
         length = max(1, min(cfg.segment_length, budget))
+        for view in views:
+            if view.constraint is not None:
+                view.constraint.set_budget(budget)  # closing pressure near the end (ensemble_core.closing)
         candidates = run_all(lambda i: draft(views[i], i, length, cfg, request.stops, shared),
                              request.drafters, request.parallel)
         t1 = time.perf_counter()

@@ -110,6 +110,9 @@ def start_views(members: Sequence[Member], prompt: Prompt, config: GenerationCon
             own = config.replace(seed=config.seed + i) if config.do_sample and config.seed is not None else config
             generator = make_generator(own)
         state = m.start(prompt, config.max_new_tokens, structured)
-        grammar = compile_for_member(constraint, m).start(config.loops) if constraint is not None else None
+        grammar = None
+        if constraint is not None:
+            grammar = compile_for_member(constraint, m).start(config.loops, config.close_margin)
+            grammar.set_budget(config.max_new_tokens)  # methods that commit text tell it again each round
         views.append(MemberView(m, state, m.response_lead(prompt, structured), EMPTY, generator, grammar))
     return views

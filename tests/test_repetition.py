@@ -19,6 +19,7 @@ pytest.importorskip("llguidance", reason="constrained decoding needs llguidance:
 from test_agents import METHODS, biased_member  # noqa: E402
 
 from ensemble_core import Ensemble  # noqa: E402
+from ensemble_core.closing import closing_bonus, closing_penalties  # noqa: E402
 from ensemble_core.constraints import JsonConstraint, compile_constraint  # noqa: E402
 from ensemble_core.errors import InvalidOptionError  # noqa: E402
 from ensemble_core.generation import GenerationConfig  # noqa: E402
@@ -123,7 +124,7 @@ def looping_pair() -> list:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_a_looping_list_ends_with_the_penalty_and_not_without(looping_pair: list, method: str) -> None:
-    ensemble = Ensemble(looping_pair, method=method)
+    ensemble = Ensemble(looping_pair, method=method, close_margin=0)  # the loop penalty alone
     cut = ensemble.generate("Tags?", response_format=TAGS, max_new_tokens=96, loop_penalty=0)
     assert cut.finish_reason == "length" and cut.text.count('""') > 20, cut.text
     done = ensemble.generate("Tags?", response_format=TAGS, max_new_tokens=96)
@@ -142,7 +143,8 @@ def test_the_option_reaches_the_langchain_adapter(looping_pair: list) -> None:
 
     parsed = ChatEnsemble(members=looping_pair, method="every-token", max_tokens=96).with_structured_output(Tags)
     assert 8 <= len(parsed.invoke("Tags?").tags) < 20
-    off = ChatEnsemble(members=looping_pair, method="every-token", max_tokens=96, loop_penalty=0)
+    off = ChatEnsemble(members=looping_pair, method="every-token", max_tokens=96, loop_penalty=0,
+                       close_margin=0)
     with pytest.raises(OutputParserException, match="token budget"):
         off.with_structured_output(Tags).invoke("Tags?")
 
@@ -176,10 +178,54 @@ def test_safe_ensemble_points_penalize_a_repeat_the_verifier_would_continue() ->
     reweighting in ``SafeEnsemble._ensemble`` this run ends by length)."""
     drafter = biased_member("smollm2-135m-instruct", ones_bias(6.0), name="looping-drafter")
     verifier = biased_member("gemma3-270m", ones_bias(30.0), name="item-loving-verifier")
-    ensemble = Ensemble([drafter, verifier], method="safe")
+    ensemble = Ensemble([drafter, verifier], method="safe", close_margin=0)  # the loop penalty alone
     cut = ensemble.generate("Numbers?", response_format=NUMBERS, max_new_tokens=96, loop_penalty=0)
     assert cut.finish_reason == "length", cut.text
     done = ensemble.generate("Numbers?", response_format=NUMBERS, max_new_tokens=96)
     assert done.finish_reason == "eos" and done.stats["ensembled"] > 0, done.text
     items = json.loads(done.text)["n"]
     assert set(items) == {1} and 8 <= len(items) < cut.text.count("1,")
+
+
+
+# ----------------------------------------------------------------------------- closing pressure
+def test_closing_bonus_grows_towards_the_end_of_the_budget() -> None:
+    assert closing_bonus(None, 24) == closing_bonus(25, 24) == closing_bonus(3, 0) == 0.0
+    assert [closing_bonus(left, 24) for left in (24, 21, 12, 0, -2)] == [1.0, 2.0, 16.0, 256.0, 256.0]
+    assert closing_penalties(12, 24) == {ord('"'): -16.0, ord("]"): -16.0, ord("}"): -16.0}
+    for bad in (-1, 2.5, True, "24"):
+        with pytest.raises(InvalidOptionError, match="close_margin"):
+            GenerationConfig(close_margin=bad)
+
+
+@pytest.mark.parametrize("alias", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_grammar_state_boosts_closing_tokens_near_the_budget(alias: str) -> None:
+    tokenizer = bundled_tokenizer(alias)
+    state = compile_constraint(JsonConstraint(TAGS), tokenizer, len(tokenizer)).start(LoopPenalty(multiplier=0), 24)
+    assert state.accept_text('{"tags": ["red", "blue"')
+    assert state.penalty() is None  # never told a budget: no pressure
+    state.set_budget(30)
+    assert state.budget_left == 30 and state.penalty() is None  # outside the margin
+    comma, close = tokenizer.convert_tokens_to_ids(","), tokenizer.convert_tokens_to_ids("]")
+    state.set_budget(12)
+    vec = state.penalty()
+    assert vec is not None and float(vec[close]) == -16.0 and float(vec[comma]) == 0.0
+    step = state.steps
+    assert state.accept_token(comma)  # one more token: one fewer left
+    assert state.steps == step + 1 and state.budget_left == 11 and float(state.penalty()[close]) < -16.0
+    row = torch.zeros(state.vocab_size)
+    masked = state.mask_logits(row)
+    assert float(masked[close]) == float("-inf")  # after ',' the grammar wants an item: the bonus never unmasks
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_list_that_never_ends_closes_before_the_budget(looping_pair: list, method: str) -> None:
+    """Loop penalty off, so nothing but the closing pressure ends the list."""
+    free = Ensemble(looping_pair, method=method, loop_penalty=0, close_margin=0)
+    cut = free.generate("Tags?", response_format=TAGS, max_new_tokens=64)
+    assert cut.finish_reason == "length", cut.text
+    done = Ensemble(looping_pair, method=method, loop_penalty=0).generate("Tags?", response_format=TAGS,
+                                                                          max_new_tokens=64)
+    assert done.finish_reason == "eos", done.text
+    tags = json.loads(done.text)["tags"]
+    assert set(tags) == {""} and len(tags) >= 5  # it wrote most of the budget before closing
