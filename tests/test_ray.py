@@ -2,7 +2,7 @@
 
 The cluster is ``ray.cluster_utils.Cluster`` with two nodes of one CPU each, each with a
 custom resource (``node_a`` / ``node_b``) that pins one bundled member to it. Greedy
-outputs must equal the local members' exactly; a member killed mid-generation must raise
+outputs must equal the local members' exactly (the recorded ones of ``tests/golden``); a member killed mid-generation must raise
 the typed error (never hang) and the next request must work after Ray restarts it; and
 100 requests must leave no decoding state behind in the actors.
 
@@ -12,10 +12,11 @@ Ray is a dev dependency: a missing Ray fails this module, it is never skipped.
 from __future__ import annotations
 
 import gc
+import json
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import ray
@@ -25,7 +26,11 @@ from ensemble_core import Ensemble, Member
 from ensemble_core.errors import ConfigurationError, MemberUnavailableError
 from ensemble_core.remote import RayMemberSpec, RayOptions, RemoteMember
 
+sys.path.insert(0, str(Path(__file__).parent / "golden"))
+import record  # noqa: E402
+
 pytestmark = pytest.mark.real
+RECORDED = json.loads(record.OUT.read_text())
 
 STORE = 80 * 2**20
 MEMBERS = ("smollm2-135m-instruct", "gemma3-270m")
@@ -68,19 +73,6 @@ def remote_pair(cluster: Cluster) -> list[RemoteMember]:
     ensemble.close()
 
 
-def _texts(members: list[Member], method: str, prompts: list, tokens: int = TOKENS) -> list[tuple[str, str]]:
-    ensemble = Ensemble(members, method=method, max_new_tokens=tokens)
-    return [(r.text, r.finish_reason) for r in (ensemble.generate(p) for p in prompts)]
-
-
-def _both(local: list[Member], remote: list[Member], method: str, prompts: list) -> tuple[list, list]:
-    """Local references in a thread while the actors work (the driver's core is idle meanwhile)."""
-    with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(_texts, local, method, prompts)
-        got = _texts(remote, method, prompts)
-        return reference.result(), got
-
-
 def test_members_sit_on_their_nodes(remote_pair: list[RemoteMember]) -> None:
     nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     for member, resource in zip(remote_pair, NODES):
@@ -89,11 +81,14 @@ def test_members_sit_on_their_nodes(remote_pair: list[RemoteMember]) -> None:
     assert [m.vocab_size for m in remote_pair] == [49152, 262144]
 
 
-@pytest.mark.parametrize("method", ["safe", "specem", "every-token"])
-def test_greedy_outputs_identical_to_local(real_pair: list[Member], remote_pair: list[RemoteMember], method: str) -> None:
-    reference, got = _both(real_pair, remote_pair, method, PROMPTS)
-    assert got == reference
-    assert sum(bool(text) for text, _ in got) == len(PROMPTS)
+@pytest.mark.parametrize("case", ["safe-unite-d0", "specem", "every-token-unite"])
+def test_greedy_outputs_identical_to_local(remote_pair: list[RemoteMember], case: str) -> None:
+    """The recorded local outputs (``tests/golden``, which ``test_golden`` checks against the
+    local members) come back byte for byte from the actors: no second local run needed."""
+    name, method, idx, config = next(c for c in record.CASES if c[0] == case)
+    config = {k: v for k, v in config.items() if k != "parallel"}  # members on two nodes: run them in parallel
+    got = [record.run_case(remote_pair, method, idx, config, p) for p in record.PROMPTS]
+    assert got == RECORDED["cases"][name]
     assert [m.held_states() for m in remote_pair] == [0, 0]
 
 
