@@ -60,15 +60,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .closing import check_margin, closing_penalties, merge_penalties
+from .closing import check_margin, closing_bonus, closing_factors, closing_signs, in_string
 from .errors import (
     ConstraintError,
+    InvalidOptionError,
     InvalidSchemaError,
     MissingDependencyError,
     UnknownToolError,
     UnsupportedTokenizerError,
 )
-from .repetition import LoopPenalty, first_visible_bytes, loop_penalties, penalty_vector
+from .repetition import LoopPenalty, first_visible_bytes, loop_penalties, penalty_vector, text_factors
 from .structured import map_subschemas
 
 if TYPE_CHECKING:
@@ -406,12 +407,19 @@ class CompiledConstraint:
         """
         with self._lock:
             matcher = self._template.deep_copy()
-        return ConstraintState(self, matcher, LoopPenalty() if loops is None else loops, check_margin(close_margin))
+        if check_margin(close_margin) is None:
+            raise InvalidOptionError("close_margin", close_margin, "a number of tokens here (resolve None first: "
+                                     "ensemble_core.closing.resolve_margin)")
+        return ConstraintState(self, matcher, LoopPenalty() if loops is None else loops, close_margin)
 
     @property
     def first_bytes(self) -> torch.Tensor:
         """Int16 ``[vocab_size]``: each token's first non-whitespace byte (-1: none), read once per tokenizer."""
         return _first_bytes(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def closing_signs(self, inside: bool) -> torch.Tensor:
+        """Int8 ``[vocab_size]``: +1 closing tokens, -1 blank ones (:mod:`ensemble_core.closing`); once per tokenizer."""
+        return _closing_signs(self.tokenizer, self.vocab_size, self.eos_token_ids, inside)
 
 
 @functools.lru_cache(maxsize=16)
@@ -419,6 +427,13 @@ def _first_bytes(tokenizer: Any, vocab_size: int, eos: frozenset[int]) -> torch.
     from .distributions import token_table  # the fusion's token texts (cached per tokenizer)
 
     return first_visible_bytes(token_table(tokenizer, vocab_size, sorted(eos)).keys)
+
+
+@functools.lru_cache(maxsize=16)
+def _closing_signs(tokenizer: Any, vocab_size: int, eos: frozenset[int], inside: bool) -> torch.Tensor:
+    from .distributions import token_table
+
+    return closing_signs(token_table(tokenizer, vocab_size, sorted(eos)).keys, inside)
 
 
 @functools.lru_cache(maxsize=128)
@@ -562,20 +577,36 @@ class ConstraintState:
         left, at = self._budget
         return left - max(0, self.steps - at)
 
-    def byte_penalties(self, ahead: str = "") -> dict[int, float]:
-        """Penalty per next byte after the output and then ``ahead``: the loop penalty
-        (:func:`~ensemble_core.repetition.loop_penalties`) plus the closing pressure
-        (:func:`~ensemble_core.closing.closing_penalties`, negative: a bonus)."""
-        loops = loop_penalties(self.text + ahead.encode("utf-8"), self.loops)
-        return merge_penalties(loops, closing_penalties(self.budget_left, self.close_margin))
+    def loop_penalties(self, ahead: str = "") -> dict[int, float]:
+        """Penalty per next byte after the output and then ``ahead`` (:func:`~ensemble_core.repetition.loop_penalties`)."""
+        return loop_penalties(self.text + ahead.encode("utf-8"), self.loops)
+
+    def closing_bonus(self) -> float:
+        """Logits for tokens made only of closing bytes here (:func:`~ensemble_core.closing.closing_bonus`)."""
+        return closing_bonus(self.budget_left, self.close_margin)
+
+    def text_factors(self, ahead: str, texts: Sequence[bytes | None]) -> torch.Tensor | None:
+        """Both rules for a choice among candidate texts after ``ahead`` (an ensemble point, where no
+        member's token space applies): ``exp(-penalty)`` of the loop penalty times ``exp(bonus)``
+        for closing texts; None when neither applies."""
+        penalties, bonus = self.loop_penalties(ahead), self.closing_bonus()
+        if not penalties and not bonus:
+            return None
+        inside = in_string(self.text + ahead.encode("utf-8"))
+        return text_factors(penalties, list(texts)) * closing_factors(bonus, texts, inside)
 
     def penalty(self) -> torch.Tensor | None:
-        """Float ``[vocab_size]``: each token's :meth:`byte_penalties` here, None when there are none (cached)."""
+        """Float ``[vocab_size]``: each token's loop penalty minus its closing bonus (plus it, for blank
+        tokens) here, None when both are 0 (cached)."""
         key = (self._version, self.budget_left)
         if self._penalty is None or self._penalty[0] != key:
             vec = None
             if not self._ended:
-                vec = penalty_vector(self.byte_penalties(), self.compiled.first_bytes)
+                vec = penalty_vector(self.loop_penalties(), self.compiled.first_bytes)
+                bonus = self.closing_bonus()
+                if bonus:
+                    signed = self.compiled.closing_signs(in_string(self.text)).to(torch.float32) * bonus
+                    vec = -signed if vec is None else vec - signed
             self._penalty = (key, vec)
         return self._penalty[1]
 

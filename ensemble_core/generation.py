@@ -24,7 +24,6 @@ import torch
 from .alignment import REPLACEMENT_CHAR
 from .batching import Batcher, BatchingConfig, Binding, bound
 from .chat import Prompt
-from .closing import DEFAULT_MARGIN as DEFAULT_CLOSE_MARGIN
 from .closing import check_margin
 from .errors import ConfigurationError, InvalidOptionError, NoMembersError
 from .members import Member
@@ -72,8 +71,9 @@ class GenerationConfig:
     #: Under a grammar: over the last ``close_margin`` tokens of the budget, tokens that close a
     #: string, list or object gain logits (1 at the margin, doubling every 3 tokens), so that a
     #: member that keeps adding new items still ends the value inside the budget
-    #: (:mod:`ensemble_core.closing`). 0 turns it off; free text is never pushed.
-    close_margin: int = DEFAULT_CLOSE_MARGIN
+    #: (:mod:`ensemble_core.closing`). None: a quarter of the budget, at least 24 tokens; 0 turns
+    #: it off; free text is never pushed.
+    close_margin: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -73,7 +73,6 @@ from .distributions import (
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
 from .members import Member
-from .repetition import text_factors
 from .rows import TensorRows, delegate, window_probs
 from .stats import MemberStats, SafeStats
 from .view import MemberView, start_views
@@ -460,10 +459,10 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
                 return (EndOfText() if draft.eos and point == len(draft.ids) - 1
                         else member_table(request.views[request.drafter].member).keys[draft.ids[point]]), prefixes
             candidates = allowed
-            penalties = grammar.byte_penalties(prefix)  # the verifiers scored without them (repetition, closing)
-            if penalties:
-                candidates = allowed.reweighted(text_factors(penalties, [
-                    None if isinstance(k, EndOfText) else k for k in allowed.keys]))
+            # the verifiers scored without the loop penalty and the closing pressure: apply both by text
+            factors = grammar.text_factors(prefix, [None if isinstance(k, EndOfText) else k for k in allowed.keys])
+            if factors is not None:
+                candidates = allowed.reweighted(factors)
         scores = sharpen(candidates, request.config.sharpening)
         return candidates.keys[choose_token(scores, request.config, request.generator)], prefixes
 

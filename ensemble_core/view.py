@@ -20,6 +20,7 @@ import torch
 
 from .alignment import DEFAULT_MARGIN, EMPTY, Tokenized, encode_continuation
 from .chat import Prompt
+from .closing import resolve_margin
 from .constraints import compile_for_member
 from .generation import GenerationConfig, make_generator
 from .members import DecodeState, Member
@@ -112,7 +113,8 @@ def start_views(members: Sequence[Member], prompt: Prompt, config: GenerationCon
         state = m.start(prompt, config.max_new_tokens, structured)
         grammar = None
         if constraint is not None:
-            grammar = compile_for_member(constraint, m).start(config.loops, config.close_margin)
+            margin = resolve_margin(config.close_margin, config.max_new_tokens)
+            grammar = compile_for_member(constraint, m).start(config.loops, margin)
             grammar.set_budget(config.max_new_tokens)  # methods that commit text tell it again each round
         views.append(MemberView(m, state, m.response_lead(prompt, structured), EMPTY, generator, grammar))
     return views

@@ -9,6 +9,7 @@ penalty and close the value with it, for every method.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ pytest.importorskip("llguidance", reason="constrained decoding needs llguidance:
 from test_agents import METHODS, biased_member  # noqa: E402
 
 from ensemble_core import Ensemble  # noqa: E402
-from ensemble_core.closing import closing_bonus, closing_penalties  # noqa: E402
+from ensemble_core.closing import closes_only, closing_bonus, closing_factors, in_string, resolve_margin  # noqa: E402
 from ensemble_core.constraints import JsonConstraint, compile_constraint  # noqa: E402
 from ensemble_core.errors import InvalidOptionError  # noqa: E402
 from ensemble_core.generation import GenerationConfig  # noqa: E402
@@ -192,10 +193,19 @@ def test_safe_ensemble_points_penalize_a_repeat_the_verifier_would_continue() ->
 def test_closing_bonus_grows_towards_the_end_of_the_budget() -> None:
     assert closing_bonus(None, 24) == closing_bonus(25, 24) == closing_bonus(3, 0) == 0.0
     assert [closing_bonus(left, 24) for left in (24, 21, 12, 0, -2)] == [1.0, 2.0, 16.0, 256.0, 256.0]
-    assert closing_penalties(12, 24) == {ord('"'): -16.0, ord("]"): -16.0, ord("}"): -16.0}
+    # only tokens that close: '",' closes a string and starts the next item; inside a string
+    # only a quote closes, outside one a quote opens
+    texts = (b'"', b'"]}', b"]", b" ]}", b"\n}", b'",', b', "', b"a", b" ", b"", None)
+    assert [closes_only(t, inside=True) for t in texts] == [True, True] + [False] * 9
+    assert [closes_only(t, inside=False) for t in texts] == [False, False, True, True, True] + [False] * 6
+    assert [in_string(t) for t in (b'{"a', b'{"a": "x\\"', b'{"a": "x\\\\"', b'["a", "b"]')] == [True, True, False, False]
+    assert closing_factors(2.0, [b"]", b'",', None, b"\n  "], inside=False).tolist() == pytest.approx(
+        [math.exp(2.0), 1.0, 1.0, math.exp(-2.0)])  # blank text loses what closing text gains
     for bad in (-1, 2.5, True, "24"):
         with pytest.raises(InvalidOptionError, match="close_margin"):
             GenerationConfig(close_margin=bad)
+    assert GenerationConfig().close_margin is None  # automatic: a quarter of the budget, at least 24
+    assert [resolve_margin(None, n) for n in (40, 96, 160, 256)] == [24, 24, 40, 64] and resolve_margin(0, 160) == 0
 
 
 @pytest.mark.parametrize("alias", ["smollm2-135m-instruct", "gemma3-270m"])
@@ -210,12 +220,20 @@ def test_grammar_state_boosts_closing_tokens_near_the_budget(alias: str) -> None
     state.set_budget(12)
     vec = state.penalty()
     assert vec is not None and float(vec[close]) == -16.0 and float(vec[comma]) == 0.0
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    assert len(newline) == 1 and float(vec[newline[0]]) == 16.0  # whitespace would only delay the end
+    merged = tokenizer.encode('",', add_special_tokens=False)
+    if len(merged) == 1:  # a close-and-go-on token gains nothing
+        assert float(vec[merged[0]]) == 0.0
     step = state.steps
     assert state.accept_token(comma)  # one more token: one fewer left
     assert state.steps == step + 1 and state.budget_left == 11 and float(state.penalty()[close]) < -16.0
     row = torch.zeros(state.vocab_size)
     masked = state.mask_logits(row)
     assert float(masked[close]) == float("-inf")  # after ',' the grammar wants an item: the bonus never unmasks
+    assert state.accept_text(' "gr')  # inside a string: ']' is a character there, only a quote closes
+    vec, quote = state.penalty(), tokenizer.encode('"', add_special_tokens=False)
+    assert len(quote) == 1 and float(vec[close]) == 0.0 and float(vec[quote[0]]) < -16.0
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -9,7 +9,7 @@ recorded for reading, not judged. Records go to ``parse_rates.jsonl`` (one line 
 a run resumes where it stopped); the per-method summary to ``parse_rates.json``.
 
     .venv/bin/python docs/results/agents/parse_rates.py [--max-tokens 160] [--threads 1] [--methods safe specem every-token]
-        [--loop-penalty X] [--only PROMPT_PART ...] [--out FILE.json]
+        [--loop-penalty X] [--close-margin N] [--only PROMPT_PART ...] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--loop-penalty", type=float, default=None,
                         help="GenerationConfig.loop_penalty (default: the library's; 0 = the rates before it existed)")
+    parser.add_argument("--close-margin", type=int, default=None,
+                        help="GenerationConfig.close_margin (default: the library's; 0 = the rates before it existed)")
     parser.add_argument("--only", nargs="+", default=None, help="run only prompts containing one of these strings")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("parse_rates.json"))
     args = parser.parse_args()
@@ -82,6 +84,8 @@ def main() -> None:
     with log.open("a") as sink:
         for method in args.methods:
             options = {} if args.loop_penalty is None else {"loop_penalty": args.loop_penalty}
+            if args.close_margin is not None:
+                options["close_margin"] = args.close_margin
             chat = ChatEnsemble(members=PAIR, method=method, max_tokens=args.max_tokens, **options)
             jobs = [("tool", p, c) for p, c in TOOL_PROMPTS] + [("pydantic", p, s) for p, s in STRUCTURED_PROMPTS]
             for kind, prompt, extra in jobs:
@@ -97,8 +101,9 @@ def main() -> None:
     for row in rows:
         print(json.dumps(row), flush=True)
     loop_penalty = GenerationConfig().loop_penalty if args.loop_penalty is None else args.loop_penalty
+    close_margin = GenerationConfig().close_margin if args.close_margin is None else args.close_margin
     args.out.write_text(json.dumps({"members": PAIR, "max_tokens": args.max_tokens, "loop_penalty": loop_penalty,
-                                    "rows": rows}, indent=1) + "\n")
+                                    "close_margin": close_margin, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
