@@ -9,7 +9,8 @@ keep writing a string. The loop penalty (:mod:`ensemble_core.repetition`) cannot
 The rule: when ``left`` tokens of the budget remain and ``left <= margin``, every token
 that only closes (inside a string: ``"``, ``"]``, ``"}``, ...; outside: ``]``, ``}``, ``]}``,
 ..., JSON whitespace aside; :func:`closes_only`) gains ``2 ** ((margin - left) /
-3)`` logits: 1 at the margin, 16 twelve tokens later, 256 at the end. A token that closes
+3)`` logits: 1 at the margin, 16 twelve tokens later, 256 twenty-four tokens later. The
+margin is a quarter of the budget, at least 24 tokens (:func:`resolve_margin`). A token that closes
 and goes on (``",``, ``", "``: close a string, then start the next item) gains nothing:
 those are how a list keeps growing (seen on the bundled pair with a first-byte rule:
 ``"11 5555-010", "", "", …`` to the cut). The grammar still decides what is legal (a
@@ -36,8 +37,8 @@ import torch
 from .errors import InvalidOptionError
 from .repetition import JSON_WHITESPACE
 
-#: Bytes that close a JSON string, array or object.
-CLOSERS = b'"]}'
+#: Bytes that close a JSON array or object (outside a string); a quote closes a string.
+STRUCTURE_CLOSERS = b"]}"
 #: The automatic margin (``close_margin=None``): a quarter of the budget, at least this many tokens.
 MIN_MARGIN = 24
 #: The automatic margin's share of the budget.
@@ -66,7 +67,7 @@ def resolve_margin(margin: int | None, max_new_tokens: int) -> int:
 
 
 def closing_bonus(left: int | None, margin: int) -> float:
-    """Logits added to closing tokens with ``left`` budget tokens remaining (0.0 outside the margin)."""
+    """Logits added to tokens that only close, ``left`` budget tokens before the end (0.0 outside the margin)."""
     if left is None or margin <= 0 or left > margin:
         return 0.0
     return 2.0 ** ((margin - max(left, 0)) / TOKENS_PER_STEP)
@@ -104,7 +105,7 @@ def closes_only(text: bytes | None, inside: bool = False) -> bool:
         if not text:
             return True
     visible = text.translate(None, JSON_WHITESPACE)
-    return bool(visible) and not visible.translate(None, b"]}")
+    return bool(visible) and not visible.translate(None, STRUCTURE_CLOSERS)
 
 
 def is_blank(text: bytes | None) -> bool:

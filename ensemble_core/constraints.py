@@ -38,9 +38,10 @@ Conventions (documented here because the ensemble relies on them):
   in :meth:`~ConstraintState.mask_logits`, more with every repeated byte
   (:mod:`ensemble_core.repetition`; ``start(LoopPenalty(multiplier=0))`` turns it off): the
   mask keeps every continuation legal, the penalty makes a looping member end the value.
-* Near the end of the token budget (:meth:`~ConstraintState.set_budget`) tokens that close a
-  string, list or object gain logits (:mod:`ensemble_core.closing`), so that a member that
-  keeps adding new items ends the value before the budget cuts it.
+* Near the end of the token budget (:meth:`~ConstraintState.set_budget`) tokens that only
+  close a string, list or object gain logits and blank ones lose them
+  (:mod:`ensemble_core.closing`), so that a member that keeps adding new items ends the
+  value before the budget cuts it.
 * The member's EOS ids are allowed exactly when the value is complete (:attr:`~ConstraintState.can_end`);
   special tokens are never allowed inside the value; rows of the model beyond the tokenizer's
   vocabulary (padding) are never allowed.
@@ -582,7 +583,7 @@ class ConstraintState:
         return loop_penalties(self.text + ahead.encode("utf-8"), self.loops)
 
     def closing_bonus(self) -> float:
-        """Logits for tokens made only of closing bytes here (:func:`~ensemble_core.closing.closing_bonus`)."""
+        """Logits for tokens that only close, here (:func:`~ensemble_core.closing.closing_bonus`)."""
         return closing_bonus(self.budget_left, self.close_margin)
 
     def text_factors(self, ahead: str, texts: Sequence[bytes | None]) -> torch.Tensor | None:
