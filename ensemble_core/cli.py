@@ -236,7 +236,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens if args.max_new_tokens != 256 else 64, dataset=args.dataset,
             data_path=args.data_path, offset=args.offset, sequential_requests=args.sequential,
             stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop, out=str(out), threads=args.threads,
-            warmup=not args.no_warmup, command="ensemble " + " ".join(shlex.quote(a) for a in args.argv)))
+            warmup=not args.no_warmup, baseline_process=not args.inline_baseline,
+            command="ensemble " + " ".join(shlex.quote(a) for a in args.argv)))
         print((out / "throughput.md").read_text(encoding="utf-8"))
         print(f"Results in {out.resolve()}")
         return 0
@@ -329,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequential", type=int, default=None,
                    help="--throughput: at most this many prompts run one after another for each level's "
                         "baseline, half before and half after its batched run (default: as many as the level)")
+    p.add_argument("--inline-baseline", action="store_true",
+                   help="--throughput: run the one-by-one baseline in this process (default: a worker process "
+                        "of its own, so that neither side inherits the other's allocator and thread state)")
     p.set_defaults(func=cmd_bench)
     add_serve_parser(sub)  # ``ensemble serve``; FastAPI is imported only when it runs
     return parser

@@ -27,9 +27,26 @@ The modules that raise an error re-export it where it was defined before (for ex
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """Unpickle an error without calling its ``__init__`` (whose signature is not ``args``)."""
+    error = cls.__new__(cls)
+    BaseException.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 class EnsembleError(Exception):
-    """Base class of every error raised by ``ensemble_core``."""
+    """Base class of every error raised by ``ensemble_core``.
+
+    Errors pickle with their message and attributes (a worker process or a Ray actor sends
+    them back as raised), although most subclasses build the message from fields.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
 
 
 class ConfigurationError(EnsembleError, ValueError):

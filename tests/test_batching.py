@@ -405,3 +405,25 @@ def test_each_throughput_level_brackets_its_own_baseline(llama: Member, monkeypa
     assert (one["baseline_requests"], four["baseline_requests"]) == (1, 2)
     assert (one["identical_outputs"], four["identical_outputs"]) == (1, 2) and four["tokens"] > 0
     assert four["batcher"]["rows"] > 0 and four["speedup"] is not None
+
+
+def test_throughput_baseline_runs_in_its_own_process(llama: Member, tmp_path) -> None:
+    """``run_throughput`` loads the members by name in a worker process for the one-by-one
+    baseline (a shared process charged the batched run for the baseline's leftovers); the
+    worker's greedy outputs are the batched ones, and an unloadable member fails by name."""
+    import json
+
+    from ensemble_core.bench.throughput import ProcessBaseline, ThroughputOptions, run_throughput
+    from ensemble_core.errors import ModelLoadError
+
+    llama.model.save_pretrained(tmp_path / "m")
+    llama.tokenizer.save_pretrained(tmp_path / "m")
+    options = ThroughputOptions(methods=("single",), members=(str(tmp_path / "m"),), concurrency=(2,),
+                                max_new_tokens=4, out=str(tmp_path / "out"), threads=1, warmup=False)
+    summary = run_throughput(options)
+    level = summary["results"]["single"]["levels"]["2"]
+    assert summary["results"]["single"]["baseline"] == "process"
+    assert level["baseline_requests"] == 2 and level["identical_outputs"] == 2 and level["tokens"] > 0
+    assert json.loads((tmp_path / "out" / "throughput.json").read_text())["meta"]["options"]["baseline_process"]
+    with pytest.raises(ModelLoadError, match="nowhere"):  # raised in the worker, re-raised here
+        ProcessBaseline([str(tmp_path / "nowhere")], "single", {"max_new_tokens": 2}, 1, False)

@@ -31,6 +31,25 @@ def test_hierarchy() -> None:
     assert all(issubclass(c, EnsembleError) for c in (ConfigurationError, ModelLoadError, InputError))
 
 
+def test_errors_pickle_with_message_and_fields() -> None:
+    """A worker process or a Ray actor sends errors back pickled; most build their message from
+    fields, so a plain ``Exception`` pickle would call ``__init__`` with the wrong arguments."""
+    import pickle
+
+    from ensemble_core import errors
+
+    made = [errors.InvalidOptionError("lookahead", 0, "an integer >= 1"), errors.NoMembersError(1, 2),
+            errors.UnknownAliasError("smol", ["smollm2-135m-instruct"], "smollm2-135m-instruct"),
+            errors.MissingDependencyError("ray", "remote members"), errors.UnsupportedAttentionError("m", "flash"),
+            errors.PromptTooLongError("m", 900, 200, 1024), errors.GenerationTimeout(2.5, "partial"),
+            errors.InvalidSchemaError("no type", "add one"), errors.UnknownToolError("add", ["multiply"]),
+            errors.ModelLoadError("plain message")]
+    for error in made:
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error) and back.__dict__ == error.__dict__
+    assert pickle.loads(pickle.dumps(made[6])).text_so_far == "partial"
+
+
 def test_no_members() -> None:
     with pytest.raises(NoMembersError, match="at least 1 member"):
         Ensemble([], method="single")

@@ -10,6 +10,10 @@ For each method (single model, SAFE, SpecEM by default) the same GSM8K prompts r
   Each level brackets its own baseline because this machine's speed drifts over minutes
   (measured: the same batched SpecEM run took 35 s and, half an hour later, 59 s), so a
   baseline measured once at the start compared levels with a different machine.
+  The one-by-one requests run in a worker process of their own (``baseline_process``,
+  loaded once per method): in one process, the batched SpecEM run took 57.6 s right after
+  four unbatched requests and 48.1 s fresh, so a shared process charged the batched side
+  for what the baseline left behind (allocator and thread-pool state).
 
 Reported per method and ``c``: total output tokens per second both ways and their ratio
 (the speed-up the targets in ``targets.json`` are about), the mean per-request latency
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -35,7 +41,7 @@ import torch
 from ..batching import BatchingConfig
 from ..datasets import cot_prompt, load_dataset
 from ..ensemble import Ensemble, resolve_members
-from ..errors import InvalidOptionError
+from ..errors import EnsembleError, InvalidOptionError
 from ..members import Member
 from .records import jsonable
 from .report import hardware
@@ -64,6 +70,10 @@ class ThroughputOptions:
     out: str = "results/throughput"
     threads: int | None = None
     warmup: bool = True
+    #: Run the one-by-one baseline in a worker process of its own (it loads ``members`` by
+    #: name once per method), so that neither side inherits the other's allocator and thread
+    #: state. Members passed in as objects cannot be re-loaded there: they run in this process.
+    baseline_process: bool = True
     command: str = ""
 
     def __post_init__(self) -> None:
@@ -92,7 +102,10 @@ def _stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any
     return out
 
 
-def _one_by_one(ensemble: Ensemble, prompts: list[Any]) -> list[tuple[int, float, str]]:
+Timed = tuple[int, float, str]  # (completion tokens, seconds, text) of one request alone
+
+
+def _one_by_one(ensemble: Ensemble, prompts: list[Any]) -> list[Timed]:
     """Each prompt alone, in order: (completion tokens, seconds, text)."""
     out = []
     for prompt in prompts:
@@ -102,25 +115,115 @@ def _one_by_one(ensemble: Ensemble, prompts: list[Any]) -> list[tuple[int, float
     return out
 
 
+def _baseline_worker(conn: Any, names: list[str], method: str, common: dict[str, Any], threads: int | None,
+                     warmup: bool) -> None:
+    """The worker process of :class:`ProcessBaseline`: load once, then answer prompt lists."""
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        alone = Ensemble(resolve_members(names), method=method, batching=False, **common)
+        if warmup:
+            alone.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
+        conn.send(("ready", os.getpid()))
+    except BaseException as exc:  # noqa: BLE001 - sent to the parent, which re-raises it
+        conn.send(("error", exc))
+        return
+    while (prompts := conn.recv()) is not None:
+        try:
+            conn.send(("ok", _one_by_one(alone, prompts)))
+        except BaseException as exc:  # noqa: BLE001
+            conn.send(("error", exc))
+
+
+class InlineBaseline:
+    """One-by-one requests in this process (members passed in as objects)."""
+
+    def __init__(self, members: list[Member], method: str, common: dict[str, Any], warmup: bool) -> None:
+        self.ensemble = Ensemble(members, method=method, batching=False, **common)
+        self.pid = os.getpid()
+        if warmup:
+            self.ensemble.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
+
+    def run(self, prompts: list[Any]) -> list[Timed]:
+        return _one_by_one(self.ensemble, prompts)
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessBaseline:
+    """One-by-one requests in a spawned worker process that loads the members by name once."""
+
+    def __init__(self, names: list[str], method: str, common: dict[str, Any], threads: int | None,
+                 warmup: bool) -> None:
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no state shared with this one
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_baseline_worker, args=(child, names, method, common, threads, warmup),
+                                    name=f"throughput-baseline-{method}", daemon=True)
+        self._process.start()
+        child.close()
+        self.pid = self._receive()
+
+    def _receive(self) -> Any:
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self._process.join(timeout=5)
+            raise EnsembleError(
+                f"the one-by-one baseline process (pid {self._process.pid}) exited with code "
+                f"{self._process.exitcode} before answering; rerun with baseline_process=False "
+                "(it then runs in this process) to see the error") from None
+        if kind == "error":
+            raise value
+        return value
+
+    def run(self, prompts: list[Any]) -> list[Timed]:
+        self._conn.send(prompts)
+        return self._receive()
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._conn.send(None)
+            self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()  # our own worker, by its handle
+            self._process.join()
+        self._conn.close()
+
+
 def measure_method(method: str, members: list[Member], prompts: list[Any], options: ThroughputOptions,
-                   progress: Any = None) -> dict[str, Any]:
+                   progress: Any = None, names: list[str] | None = None) -> dict[str, Any]:
     """One method: each concurrency level batched, bracketed by its one-by-one baseline.
 
-    ``progress(result_so_far)`` is called after every level (the caller writes partial results).
+    With ``names`` (how to load ``members``) and ``options.baseline_process`` the baseline
+    runs in a worker process; otherwise here. ``progress(result_so_far)`` is called after
+    every level (the caller writes partial results).
     """
     ms = _members_for(method, members)
     common = {"max_new_tokens": options.max_new_tokens, "stop": tuple(options.stop)}
-    alone = Ensemble(ms, method=method, batching=False, **common)
+    if names is not None and options.baseline_process:
+        alone: InlineBaseline | ProcessBaseline = ProcessBaseline(
+            _members_for(method, list(names)), method, common, options.threads, options.warmup)
+    else:
+        alone = InlineBaseline(ms, method, common, options.warmup)
+    try:
+        return _measure_levels(method, ms, prompts, options, alone, common, progress)
+    finally:
+        alone.close()
+
+
+def _measure_levels(method: str, ms: list[Member], prompts: list[Any], options: ThroughputOptions,
+                    alone: InlineBaseline | ProcessBaseline, common: dict[str, Any], progress: Any) -> dict[str, Any]:
     together = Ensemble(ms, method=method, batching=BatchingConfig(max_batch_rows=max(options.concurrency)), **common)
     if options.warmup:
-        for ens in (alone, together):
-            ens.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
+        together.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
     levels: dict[str, Any] = {}
-    result = {"members": [m.name for m in ms], "levels": levels}
+    result = {"members": [m.name for m in ms], "levels": levels,
+              "baseline": "process" if alone.pid != os.getpid() else "inline"}
     for c in options.concurrency:
         baseline = prompts[:min(c, options.sequential_requests or c)]
         half = (len(baseline) + 1) // 2
-        seq = _one_by_one(alone, baseline[:half])
+        seq = alone.run(baseline[:half])
         batcher = together.method.batcher
         assert batcher is not None
         before = batcher.stats.as_dict()
@@ -128,7 +231,7 @@ def measure_method(method: str, members: list[Member], prompts: list[Any], optio
         results = together.batch(prompts[:c])
         wall = time.perf_counter() - t0
         after = batcher.stats.as_dict()
-        seq += _one_by_one(alone, baseline[half:])
+        seq += alone.run(baseline[half:])
         seq_tokens, seq_seconds = sum(t for t, _, _ in seq), sum(s for _, s, _ in seq)
         tokens = sum(r.completion_tokens for r in results)
         batched_rate = tokens / wall if wall else 0.0
@@ -180,8 +283,9 @@ def markdown(summary: dict[str, Any]) -> str:
             per = "; ".join(f"{name}: {m['ms_per_call']} ms × {m['rows_per_call']} rows"
                             for name, m in b["per_member"].items())
             est = "" if lv["baseline_requests"] >= lv["requests"] else f" (est. from {lv['baseline_requests']})"
+            speedup = "–" if lv["speedup"] is None else f"{lv['speedup']:.2f}x"
             lines.append(f"| {method} | {c} | {lv['tokens_per_s']:.2f} | {lv['sequential_tokens_per_s']:.2f}{est} "
-                         f"| {lv['speedup']:.2f}x | {lv['mean_latency_s']:.1f} / {lv['sequential_mean_latency_s']:.1f} "
+                         f"| {speedup} | {lv['mean_latency_s']:.1f} / {lv['sequential_mean_latency_s']:.1f} "
                          f"| {b['model_calls']} / {b['rows']} | {per} "
                          f"| {lv['identical_outputs']}/{min(lv['requests'], lv['baseline_requests'])} |")
     lines += ["", "| target | value | status |", "|---|---:|---|"]
@@ -200,13 +304,15 @@ def run_throughput(options: ThroughputOptions, members: list[Member] | None = No
     n = max(options.concurrency)
     problems = load_dataset(options.dataset, n, options.offset, options.data_path)
     prompts = [cot_prompt(p.question) for p in problems]
+    names = None
     if members is None:
-        members = resolve_members(list(options.members))
+        names = list(options.members)
+        members = resolve_members(names)
     results: dict[str, Any] = {}
     for method in options.methods:
         def partial(result: dict[str, Any], method: str = method) -> None:
             (out / "throughput.partial.json").write_text(json.dumps({**results, method: result}, indent=2))
-        results[method] = measure_method(method, members, prompts, options, partial)
+        results[method] = measure_method(method, members, prompts, options, partial, names)
     summary = {
         "meta": {"dataset": options.dataset, "questions": len(prompts), "max_new_tokens": options.max_new_tokens,
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
