@@ -142,7 +142,7 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
         request.answers, request.seconds["draft"] = answers, t1 - t0
         if all(not a.text and not a.finished for a in answers):
             return Chunk("", done=True, finish_reason="eos")
-        raw = run_all(lambda v: verify(views[v], "", answers, cfg.scoring)[0], request.verifiers, request.parallel)
+        raw = run_all(lambda v: verify(views[v], "", answers, cfg.scoring, v)[0], request.verifiers, request.parallel)
         request.scores = [normalize_scores(r, cfg.normalization) for r in raw]
         request.seconds["verify"] = time.perf_counter() - t1
         best, _ = select_candidate([1.0 / len(raw)] * len(raw), request.scores)

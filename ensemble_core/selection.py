@@ -7,7 +7,8 @@ generate-then-select baseline (whole answers, :mod:`ensemble_core.baselines`):
   on a branch of its KV cache (rewound afterwards), stopping at EOS or a stop string; the
   segment is cleaned by :func:`postprocess_segment`;
 * :func:`verify`: a verifier scores every candidate in ONE packed forward pass over its
-  cached context (:mod:`ensemble_core.verify_inline`);
+  cached context (:mod:`ensemble_core.verify_inline`), except its own draft, whose scores
+  it kept while drafting (:class:`DraftScores`);
 * :func:`normalize_scores` / :func:`select_candidate`: per-verifier normalisation and the
   weighted choice;
 * :func:`finish_text`: the chosen text cut to the token budget at a valid boundary;
@@ -131,6 +132,46 @@ def select_candidate(weights: Sequence[float], scores: Sequence[Sequence[float]]
 
 
 # ----------------------------------------------------------------------------- candidates and roles
+@dataclass(frozen=True)
+class DraftScores:
+    """The drafter's own scores of its draft, kept from the rows it drafted from.
+
+    Why: every verifier scores every candidate, and for the verifier's *own* candidate
+    those scores are the rows of its drafting steps (row ``j`` predicted token ``j``), so
+    the packed verify pass can leave that candidate out: a member verifies K-1 candidates,
+    not K (half of the positions for a pair; in generate-then-select a whole answer). The
+    values equal the packed pass's up to floating-point summation order.
+
+    ``token[kind][j]`` is the score of ``ids[j]``; ``end[kind][j]`` the score of ending
+    after ``ids[:j]`` (see ``verify_inline._end_value``), for every row the draft computed.
+    """
+
+    ids: tuple[int, ...]
+    token: dict[str, tuple[float, ...]]
+    end: dict[str, tuple[float, ...]]
+
+    def values(self, ids: Sequence[int], terminal: bool, kind: str) -> torch.Tensor | None:
+        """The scores of ``ids`` (+ its end) if they start the draft, else None (score them in the pass)."""
+        k = len(ids)
+        if tuple(int(t) for t in ids) != self.ids[:k] or kind not in self.token:
+            return None
+        values = list(self.token[kind][:k])
+        if terminal:
+            if k >= len(self.end[kind]):
+                return None
+            values.append(self.end[kind][k])
+        return torch.tensor(values, dtype=torch.float32)
+
+
+def row_scores(row: torch.Tensor, token: int | None, eos_ids: Sequence[int]) -> dict[str, tuple[float, float]]:
+    """Per scoring kind, (score of ``token`` under ``row``, score of ending here) as the verify pass computes them."""
+    logprobs = torch.log_softmax(row, dim=-1)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=row.device)
+    pick = token if token is not None else 0
+    ends = (float(torch.logsumexp(logprobs[eos], dim=0)), float(row[eos].max())) if len(eos) else (-math.inf,) * 2
+    return {"logprob": (float(logprobs[pick]), ends[0]), "logit": (float(row[pick]), ends[1])}
+
+
 @dataclass
 class Candidate:
     """One drafter's segment in the shared (canonical) text, and how it ended."""
@@ -139,6 +180,8 @@ class Candidate:
     text: str
     end: str | None = None  # None (more to come), "eos" or "stop"
     tokens: int = 0
+    #: the drafter's own scores of its draft (None: verify it like any other candidate)
+    scores: DraftScores | None = None
 
     @property
     def finished(self) -> bool:
@@ -233,7 +276,7 @@ def draft(view: MemberView, index: int, length: int, config: GenerationConfig, s
     tail = shared[-max((len(s) for s in stops), default=1):] if stops else ""
     grammar = view.constraint  # a constrained request: draft under this member's own token mask
     mark = grammar.checkpoint() if grammar is not None else None
-    ids, end, text = draft_segment(view.state, length, config, view.generator, stops, tail, grammar)
+    ids, end, text, scores = draft_segment(view.state, length, config, view.generator, stops, tail, grammar)
     if grammar is not None:
         grammar.restore(mark)  # the grammar follows the committed text, not this draft
     if not shared:
@@ -242,17 +285,19 @@ def draft(view: MemberView, index: int, length: int, config: GenerationConfig, s
         text = postprocess_segment(text, end is not None)
     else:
         text = text.replace(REPLACEMENT_CHAR, "")
-    return Candidate(index, text, end, len(ids))
+    return Candidate(index, text, end, len(ids), scores)
 
 
 @torch.inference_mode()
 def draft_segment(state: Any, length: int, config: GenerationConfig, generator: torch.Generator | None,
-                  stops: Sequence[str], tail: str, grammar: Any = None) -> tuple[list[int], str | None, str]:
-    """The drafting loop of :func:`draft` on a cache branch: ``(ids, end, raw text)``.
+                  stops: Sequence[str], tail: str,
+                  grammar: Any = None) -> tuple[list[int], str | None, str, DraftScores | None]:
+    """The drafting loop of :func:`draft` on a cache branch: ``(ids, end, raw text, own scores)``.
 
     ``tail`` is the end of the shared text (a stop string may start in it). A state whose
     model runs elsewhere runs this loop next to its cache in one call (and refuses a
-    grammar, which lives here).
+    grammar, which lives here). The scores are taken from the raw rows, before any
+    grammar mask or sampling transform, as the verify pass sees them.
     """
     own = delegate(state, "draft_segment")
     if own is not None:
@@ -262,12 +307,15 @@ def draft_segment(state: Any, length: int, config: GenerationConfig, generator: 
     ids: list[int] = []
     end: str | None = None
     text = ""
+    kept: list[dict[str, tuple[float, float]]] = []  # per row: kind -> (value of its token, value of ending)
     with cache_branch(state):
         while True:
+            raw = row
             if grammar is not None:
                 row = grammar.mask_logits(row)
             probs = torch.softmax(row, dim=-1) if config.do_sample else row
             token = choose_token(probs, config, generator)
+            kept.append(row_scores(raw, token, member.eos_token_ids))
             if token in member.eos_token_ids:
                 end = "eos"
                 break
@@ -286,7 +334,9 @@ def draft_segment(state: Any, length: int, config: GenerationConfig, generator: 
             row = branch_step(state, token)
     if end != "stop":
         text = decode_suffix(member.tokenizer, state.ids, ids) if ids else ""
-    return ids, end, text
+    scores = DraftScores(tuple(ids), {k: tuple(r[k][0] for r in kept[:len(ids)]) for k in SCORING_KINDS},
+                         {k: tuple(r[k][1] for r in kept) for k in SCORING_KINDS})
+    return ids, end, text, scores
 
 
 def candidate_ids(view: MemberView, shared: str, candidate: Candidate) -> tuple[list[int], bool]:
@@ -305,18 +355,32 @@ def candidate_ids(view: MemberView, shared: str, candidate: Candidate) -> tuple[
     return list(alignment.tokenize(view.member.tokenizer, view.piece(shared, candidate.text)).ids), False
 
 
-def verify(view: MemberView, shared: str, candidates: Sequence[Candidate], scoring: str) -> tuple[list[float], int]:
+def verify(view: MemberView, shared: str, candidates: Sequence[Candidate], scoring: str,
+           index: int | None = None) -> tuple[list[float], int]:
     """Raw scores (mean per-token value; ``-inf`` for an abstention) and the boundary fallbacks.
 
-    Identical candidates (members that agree) are scored once, so they tie exactly.
+    Identical candidates (members that agree) are scored once, so they tie exactly. The
+    verifier's own candidate (``index``: its member index) is scored from the
+    :class:`DraftScores` it kept while drafting when they cover its encoding; only the
+    others go into the packed pass.
     """
     unique: dict[tuple[str, bool], int] = {}
     for c in candidates:
         unique.setdefault((c.text, c.finished), len(unique))
     firsts = [next(c for c in candidates if (c.text, c.finished) == key) for key in unique]
     encoded = [candidate_ids(view, shared, c) for c in firsts]
-    values = score_candidates_inline(view.state, [ids for ids, _ in encoded], scoring, [c.finished for c in firsts])
-    raw = [float(v.mean()) if len(v) else -math.inf for v in values]
+    values: list[torch.Tensor | None] = [None] * len(firsts)
+    for u, key in enumerate(unique):
+        own = next((c.scores for c in candidates if c.member == index and (c.text, c.finished) == key), None)
+        if own is not None:
+            values[u] = own.values(encoded[u][0], key[1], scoring)
+    todo = [u for u, v in enumerate(values) if v is None]
+    if todo:
+        scored = score_candidates_inline(view.state, [encoded[u][0] for u in todo], scoring,
+                                         [firsts[u].finished for u in todo])
+        for u, v in zip(todo, scored):
+            values[u] = v
+    raw = [float(v.mean()) if v is not None and len(v) else -math.inf for v in values]
     return [raw[unique[(c.text, c.finished)]] for c in candidates], sum(not exact for _, exact in encoded)
 
 

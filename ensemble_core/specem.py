@@ -203,7 +203,7 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
             request.seconds["update"] += time.perf_counter() - t1
             return Chunk("", done=True, finish_reason="eos")
         request.abstentions += sum(not c.text and not c.finished for c in candidates)
-        verified = run_all(lambda v: verify(views[v], shared, candidates, cfg.scoring), request.verifiers,
+        verified = run_all(lambda v: verify(views[v], shared, candidates, cfg.scoring, v), request.verifiers,
                            request.parallel)
         scores = [normalize_scores(raw, cfg.normalization) for raw, _ in verified]
         request.fallbacks += sum(n for _, n in verified)

@@ -56,3 +56,39 @@ def test_automatic_threads(tiny_llama: Member, tiny_gemma: Member, monkeypatch: 
     assert not use_threads([tiny_llama, same_tokenizer], auto) and use_threads([tiny_llama, same_tokenizer], on)
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     assert not use_threads([tiny_llama, tiny_gemma], auto)
+
+
+@pytest.mark.real
+def test_own_draft_scores_equal_the_packed_pass_and_are_not_fed_again(real_pair: list[Member]) -> None:
+    """A verifier scores its own candidate from the rows it drafted from: the same values as
+    the packed verify pass (up to summation order), with fewer tokens fed to that pass, for
+    both scoring kinds, on both real members, and for a finished candidate (stopped one token
+    early: its end score is the next draft row's)."""
+    import torch
+
+    from ensemble_core.alignment import decode_suffix
+    from ensemble_core.generation import GenerationConfig
+    from ensemble_core.selection import Candidate, DraftScores, draft, verify
+    from ensemble_core.view import start_views
+
+    config = GenerationConfig(max_new_tokens=40)
+    views = start_views(real_pair, [{"role": "user", "content": "Name three colours and say why."}], config)
+    shared = "Red, green"
+    for view in views:
+        view.commit(*view.appended("", shared))
+    cands = [draft(views[i], i, 10, config, (), shared) for i in range(2)]
+    assert all(isinstance(c.scores, DraftScores) and c.text for c in cands)
+    for i, view in enumerate(views):
+        ids = cands[i].scores.ids
+        ended = Candidate(i, decode_suffix(real_pair[i].tokenizer, view.state.ids, list(ids[:-1])), "stop",
+                          len(ids) - 1, cands[i].scores)
+        for kind in ("logprob", "logit"):
+            for batch in (cands, [ended, cands[1 - i]] if i == 0 else [cands[0], ended]):
+                fed = view.state.stats.tokens_fed
+                own, _ = verify(view, shared, batch, kind, i)
+                fed_own = view.state.stats.tokens_fed - fed
+                fed = view.state.stats.tokens_fed
+                plain, _ = verify(view, shared, batch, kind, None)
+                fed_plain = view.state.stats.tokens_fed - fed
+                assert torch.allclose(torch.tensor(own), torch.tensor(plain), atol=1e-4), (i, kind, own, plain)
+                assert fed_own < fed_plain, (i, kind, fed_own, fed_plain)  # its own candidate left out of the pass

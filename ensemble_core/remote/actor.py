@@ -186,8 +186,8 @@ class MemberActor:
         from ..selection import draft_segment
 
         gen = restore_generator(generator)
-        ids, end, text = draft_segment(state, length, sampling_config(*sampling), gen, stops, tail)
-        return ids, end, text, generator_state(gen)
+        ids, end, text, scores = draft_segment(state, length, sampling_config(*sampling), gen, stops, tail)
+        return ids, end, text, generator_state(gen), scores
 
     def _op_score_candidates_inline(
         self, sid: int, state: DecodeState, candidates: list[list[int]], kind: str, terminal: list[bool] | None

@@ -263,7 +263,7 @@ class RemoteDecodeState:
         stops: Sequence[str],
         tail: str,
         grammar: Any = None,
-    ) -> tuple[list[int], str | None, str]:
+    ) -> tuple[list[int], str | None, str, Any]:
         """:func:`ensemble_core.selection.draft_segment` in the actor (a SpecEM segment, on a cache branch)."""
         if grammar is not None:
             raise ConfigurationError(
@@ -271,12 +271,12 @@ class RemoteDecodeState:
                 "drafted under a grammar that lives in this process, token by token on a cache branch of the member. "
                 "Use SAFE or every-token for constrained output with Ray members, or local members for SpecEM."
             )
-        ids, end, text, gen = self._call(
+        ids, end, text, gen, scores = self._call(
             "draft_segment", length, _sampling(config), generator_state(generator), list(stops), tail
         )
         if generator is not None:
             generator.set_state(torch.frombuffer(bytearray(gen), dtype=torch.uint8))
-        return ids, end, text
+        return ids, end, text, scores
 
     def score_candidates_inline(
         self, candidates: Sequence[Sequence[int]], kind: str = "logprob", terminal: Sequence[bool] | None = None
