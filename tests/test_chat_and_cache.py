@@ -70,3 +70,41 @@ def test_crop_and_continue_matches_full_forward(window: int) -> None:
     state.crop(len(state.ids) - 15)
     assert torch.allclose(state.score()[-1], _full_logits(member, state.ids), atol=1e-4)
     assert state.stats.reprefills == (1 if window == 8 else 0)
+
+
+def test_roomy_layer_appends_in_place_and_stays_exact() -> None:
+    """Full-attention layers append into spare room (no copy of the whole cache per pass):
+    crops, cache branches, growth past the room and a ``keys`` replaced from outside all keep
+    the states a plain ``DynamicLayer`` would hold, and decoding matches a cache-free pass."""
+    from transformers.cache_utils import DynamicLayer
+
+    from ensemble_core.cache import RoomyLayer, new_cache
+    from ensemble_core.verify_inline import branch_step, cache_branch
+
+    gen = torch.Generator().manual_seed(0)
+    roomy, plain = RoomyLayer(room=4), DynamicLayer()
+    for step, n in enumerate([3, 1, 1, 2, 5, 1, 9, 1]):
+        k, v = torch.randn(1, 2, n, 8, generator=gen), torch.randn(1, 2, n, 8, generator=gen)
+        got, want = roomy.update(k, v), plain.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        if step == 3:
+            buffer = roomy._k
+        if step == 4:  # grew past the room: new buffers
+            assert roomy._k is not buffer
+        if step in (2, 5):
+            roomy.crop(-2), plain.crop(-2)
+        if step == 6:  # replaced from outside (e.g. a batch select): adopted again on the next update
+            roomy.keys, roomy.values = roomy.keys.clone(), roomy.values.clone()
+    assert roomy.keys.data_ptr() == roomy._k.data_ptr() and roomy._k.shape[-2] > roomy.keys.shape[-2]
+
+    member = tiny_member("smollm2-135m-instruct", seed=2)
+    assert all(type(layer) is RoomyLayer for layer in new_cache(member.model).layers)
+    state = member.start_from_ids(list(range(100, 130)))
+    for round_ in range(6):
+        state.score()
+        with cache_branch(state):
+            branch_step(state, 777)  # states written into the room, then rewound
+        rows = state.score(torch.randint(200, 5000, (4,), generator=gen).tolist())
+        assert torch.allclose(rows[-1], _full_logits(member, state.ids), atol=1e-4)
+        state.crop(len(state.ids) - round_ % 3)
+        assert torch.allclose(state.score()[-1], _full_logits(member, state.ids), atol=1e-4)
