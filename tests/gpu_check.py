@@ -20,6 +20,10 @@ What it measures, written to ``OUT/gpu_check.json`` and printed:
   disagree everywhere, so that one is a stress test of the ensemble path, not a speed claim).
 - ``specem``: time to first segment and total time with two 1B members.
 - ``placement``: SAFE and SpecEM with the members on different devices (cuda and cpu).
+- ``batching``: total tokens/s of 1 and 16 concurrent GSM8K requests vs the same requests
+  one after another (``bench.throughput.measure_method``, each level bracketed by its
+  baseline of at most 8 requests) for the 1B member alone, SAFE and SpecEM: the batching
+  issue's GPU target is SAFE >= 6x at 16.
 
 ``--save DIR`` also writes two of the members as model folders, so that ``ensemble bench
 --members DIR/drafter-135m DIR/gemma-1b --device cuda`` can run the harness unchanged.
@@ -40,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ensemble_core import Ensemble  # noqa: E402
 from ensemble_core.bench import verify_microbench  # noqa: E402
-from ensemble_core.datasets import cot_prompt  # noqa: E402
+from ensemble_core.datasets import cot_prompt, load_dataset  # noqa: E402
 from ensemble_core.members import Member  # noqa: E402
 from ensemble_core.testing import tiny_config  # noqa: E402
 from ensemble_core.verify_inline import score_candidates_inline, score_candidates_separately  # noqa: E402
@@ -114,6 +118,24 @@ def run_method(members: list[Member], method: str, tokens: int, **config) -> dic
             "stats": result.stats, "text_head": result.text[:80]}
 
 
+def batching(members: dict[str, Member], tokens: int, levels: tuple[int, ...] = (1, 16)) -> dict:
+    """Batched vs one-by-one throughput per method (speed-up = ratio of total tokens/s)."""
+    from ensemble_core.bench.throughput import ThroughputOptions, measure_method
+
+    prompts = [cot_prompt(p.question) for p in load_dataset("gsm8k", max(levels))]
+    options = ThroughputOptions(concurrency=levels, max_new_tokens=tokens, sequential_requests=8)
+    runs = {"single": [members["llama-1b"]], "safe": [members["drafter-135m"], members["llama-1b"]],
+            "specem": [members["llama-1b"], members["gemma-1b"]]}
+    out = {}
+    for method, ms in runs.items():
+        result = measure_method(method, ms, prompts, options)
+        out[method] = {c: {k: lv[k] for k in ("speedup", "tokens_per_s", "sequential_tokens_per_s", "mean_latency_s",
+                                              "sequential_mean_latency_s", "identical_outputs")}
+                       | {"rows_per_call": {n: m["rows_per_call"] for n, m in lv["batcher"]["per_member"].items()}}
+                       for c, lv in result["levels"].items()}
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizers", type=Path, required=True)
@@ -164,6 +186,7 @@ def main() -> int:
                 "specem": run_method(mixed, "specem", 32)}
 
     step("placement", placement)
+    step("batching", lambda: batching(members, args.tokens // 2))
     if args.save:
         for name in ("drafter-135m", "gemma-1b"):
             members[name].model.save_pretrained(args.save / name)
