@@ -184,7 +184,8 @@ def test_a_batched_pass_matches_the_rows_run_alone(alias: str) -> None:
             s.score(random_ids(r * 7, 100 + r))
         batched.append(pair[0])
         alone.append(pair[1])
-    for step in range(2):
+    buffers: dict = {}  # as a Batcher keeps them: the second pass gathers into the first pass's buffers
+    for step in range(3):
         feeds = [random_ids(k, 50 + k + step) for k in (1, 3, 1, 4)]
         want = [s.score(f)[1:] for s, f in zip(alone, feeds)]
         jobs = []
@@ -193,10 +194,14 @@ def test_a_batched_pass_matches_the_rows_run_alone(alias: str) -> None:
             jobs.append(s._job(s.ids[s.cached:], len(f)))
             s.cached = len(s.ids)
         with torch.inference_mode():
-            got = batched_forward(member.model, jobs)
+            got = batched_forward(member.model, jobs, buffers if step else None)
         assert got is not None
         for g, w in zip(got, want):
             assert torch.allclose(g, w, atol=1e-5), float((g - w).abs().max())
+        if step == 1:
+            storage = {key: buf.data_ptr() for key, buf in buffers.items()}
+            assert storage and len(storage) == 2 * len(member.model.model.layers)
+    assert {key: buf.data_ptr() for key, buf in buffers.items()} == storage
     for a, b in zip(batched, alone):  # the caches were scattered back exactly
         for la, lb in zip(a.cache.layers, b.cache.layers):
             assert torch.allclose(la.keys, lb.keys, atol=1e-5) and la.keys.shape == lb.keys.shape
