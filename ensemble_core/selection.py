@@ -163,13 +163,24 @@ class DraftScores:
         return torch.tensor(values, dtype=torch.float32)
 
 
-def row_scores(row: torch.Tensor, token: int | None, eos_ids: Sequence[int]) -> dict[str, tuple[float, float]]:
-    """Per scoring kind, (score of ``token`` under ``row``, score of ending here) as the verify pass computes them."""
+def row_scores(row: torch.Tensor, token: int, eos_ids: Sequence[int]) -> torch.Tensor:
+    """``[logprob of token, logit of token, logprob of ending, logit of ending]`` under ``row``,
+    as the verify pass computes them (kept on the row's device: one transfer per draft, not per step)."""
     logprobs = torch.log_softmax(row, dim=-1)
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=row.device)
-    pick = token if token is not None else 0
-    ends = (float(torch.logsumexp(logprobs[eos], dim=0)), float(row[eos].max())) if len(eos) else (-math.inf,) * 2
-    return {"logprob": (float(logprobs[pick]), ends[0]), "logit": (float(row[pick]), ends[1])}
+    if not eos_ids:
+        end = row.new_full((2,), -math.inf)
+    else:
+        eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=row.device)
+        end = torch.stack([torch.logsumexp(logprobs[eos], dim=0), row[eos].max()])
+    return torch.cat([torch.stack([logprobs[token], row[token]]), end]).float()
+
+
+def _draft_scores(ids: list[int], rows: list[torch.Tensor]) -> DraftScores:
+    """:class:`DraftScores` from :func:`row_scores` of every row the draft computed."""
+    table = torch.stack(rows).tolist() if rows else []
+    return DraftScores(tuple(ids),
+                       {"logprob": tuple(r[0] for r in table[:len(ids)]), "logit": tuple(r[1] for r in table[:len(ids)])},
+                       {"logprob": tuple(r[2] for r in table), "logit": tuple(r[3] for r in table)})
 
 
 @dataclass
@@ -307,7 +318,7 @@ def draft_segment(state: Any, length: int, config: GenerationConfig, generator: 
     ids: list[int] = []
     end: str | None = None
     text = ""
-    kept: list[dict[str, tuple[float, float]]] = []  # per row: kind -> (value of its token, value of ending)
+    kept: list[torch.Tensor] = []  # per row: its token's and ending's scores (row_scores)
     with cache_branch(state):
         while True:
             raw = row
@@ -334,9 +345,7 @@ def draft_segment(state: Any, length: int, config: GenerationConfig, generator: 
             row = branch_step(state, token)
     if end != "stop":
         text = decode_suffix(member.tokenizer, state.ids, ids) if ids else ""
-    scores = DraftScores(tuple(ids), {k: tuple(r[k][0] for r in kept[:len(ids)]) for k in SCORING_KINDS},
-                         {k: tuple(r[k][1] for r in kept) for k in SCORING_KINDS})
-    return ids, end, text, scores
+    return ids, end, text, _draft_scores(ids, kept)
 
 
 def candidate_ids(view: MemberView, shared: str, candidate: Candidate) -> tuple[list[int], bool]:
