@@ -105,6 +105,11 @@ def _stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any
 Timed = tuple[int, float, str]  # (completion tokens, seconds, text) of one request alone
 
 
+def _warm_up(ensemble: Ensemble) -> None:
+    """One short request, so that neither side's first timed request pays for lazy set-up."""
+    ensemble.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
+
+
 def _one_by_one(ensemble: Ensemble, prompts: list[Any]) -> list[Timed]:
     """Each prompt alone, in order: (completion tokens, seconds, text)."""
     out = []
@@ -123,7 +128,7 @@ def _baseline_worker(conn: Any, names: list[str], method: str, common: dict[str,
             torch.set_num_threads(threads)
         alone = Ensemble(resolve_members(names), method=method, batching=False, **common)
         if warmup:
-            alone.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
+            _warm_up(alone)
         conn.send(("ready", os.getpid()))
     except BaseException as exc:  # noqa: BLE001 - sent to the parent, which re-raises it
         conn.send(("error", exc))
@@ -142,7 +147,7 @@ class InlineBaseline:
         self.ensemble = Ensemble(members, method=method, batching=False, **common)
         self.pid = os.getpid()
         if warmup:
-            self.ensemble.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
+            _warm_up(self.ensemble)
 
     def run(self, prompts: list[Any]) -> list[Timed]:
         return _one_by_one(self.ensemble, prompts)
@@ -216,7 +221,7 @@ def _measure_levels(method: str, ms: list[Member], prompts: list[Any], options: 
                     alone: InlineBaseline | ProcessBaseline, common: dict[str, Any], progress: Any) -> dict[str, Any]:
     together = Ensemble(ms, method=method, batching=BatchingConfig(max_batch_rows=max(options.concurrency)), **common)
     if options.warmup:
-        together.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
+        _warm_up(together)
     levels: dict[str, Any] = {}
     result = {"members": [m.name for m in ms], "levels": levels,
               "baseline": "process" if alone.pid != os.getpid() else "inline"}
