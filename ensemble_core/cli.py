@@ -85,7 +85,8 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", nargs="+", metavar="DEVICE", default=None,
                    help="one device for all members or one per member, e.g. --device cuda:0 cuda:1 (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="member dtype (auto: float32 on CPU, bfloat16 on GPU)")
+                   help="member dtype (auto: float32 on CPU, bfloat16 on GPU; on a CPU with native bf16, "
+                        "AVX512-BF16 or AMX, bfloat16 is faster: docs/benchmarks.md)")
     p.add_argument("--quantize", nargs="+", metavar="SCHEME", default=None, choices=["none", *SCHEMES],
                    help="one scheme for all members or one per member, e.g. --quantize none int8: int8 makes a "
                         "CPU member's linear layers dynamic int8 (faster, different greedy outputs)")

@@ -119,6 +119,24 @@ def test_trio_targets_best_ensemble_accuracy_and_subset_rows(tiny_llama, tiny_ge
     assert by_id["trio_safe_small_drafter_vs_biggest"]["value"] == pytest.approx(0.75)  # vs Qwen, not the "slow" row
     assert by_id["trio_safe_vs_every_token"]["value"] == pytest.approx(4.0 / 1.5, abs=1e-4)  # values are rounded
 
+    # with --subsets each member set has its SAFE row: the best one counts, every one is listed, and
+    # SAFE is compared with every-token on the same members (not with the trio's every-token row)
+    g, trio, pair = "gemma3-270m", (s, "gemma3-270m", q), (s, q)
+    sets = [Row(f"single[{q}]", "single", runner=object(), member=q),
+            Row(f"safe[drafter={s}]", "safe", runner=object(), drafter=s, members=trio),
+            Row(f"safe[drafter={s}; pair]", "safe", runner=object(), drafter=s, members=pair),
+            Row("every-token[unite]", "every-token", runner=object(), members=trio),
+            Row("every-token[unite; pair]", "every-token", runner=object(), members=pair)]
+    recs = [_rec(f"single[{q}]", "q", 2.0), _rec(f"safe[drafter={s}]", "q", 3.0, et=0.1),
+            _rec(f"safe[drafter={s}; pair]", "q", 1.8, et=0.1), _rec("every-token[unite]", "q", 9.0, et=1.0),
+            _rec("every-token[unite; pair]", "q", 3.0, et=1.0)]
+    by_id = {t["id"]: t for t in evaluate_targets(summarize_rows(sets, recs), {}, None)}
+    biggest, every = by_id["trio_safe_small_drafter_vs_biggest"], by_id["trio_safe_vs_every_token"]
+    assert biggest["value"] == pytest.approx(0.9) and biggest["status"] == "met"
+    assert "1.50x" in biggest["detail"] and "0.90x" in biggest["detail"] and g not in biggest["detail"]
+    assert every["value"] == pytest.approx(3.0) and every["status"] == "met"  # trio 9 / 3; the pair's is 3 / 1.8
+    assert "1.67x" in every["detail"] and "every-token[unite; pair] / safe[drafter=" in every["detail"]
+
     rows, records = _synthetic()
     records = [dict(r, correct=r["method"] == "specem") if r["method"].startswith(("single", "specem")) else r
                for r in records]
@@ -222,6 +240,9 @@ def test_run_bench_writes_every_artefact_on_tiny_members(tiny_llama, tiny_gemma,
     assert micro["status"] in ("met", "missed")  # the microbenchmark always has data
     md = (tmp_path / "summary.md").read_text()
     assert "## Targets" in md and all(label in md for label in labels)
+    hw = summary["meta"]["hardware"]  # the ISA is kept with every run: member costs follow it
+    assert hw["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and isinstance(hw["native_bf16"], bool)
+    assert f"({hw['cpu_capability']}" in md
     assert summary["microbench"]["speedup_4"] > 0
     # --resume runs nothing twice
     again = run_bench(BenchOptions(**{**options.__dict__, "resume": True, "microbench": False}),
@@ -268,3 +289,14 @@ def test_cli_bench_limit_2_runs_every_method_on_the_real_pair(tmp_path: Path, ca
     assert {t["status"] for t in summary["targets"] if t["id"] not in named_qwen} <= {"met", "missed"}, summary["targets"]
     assert {t["status"] for t in summary["targets"] if t["id"] in named_qwen} == {"not evaluated"}
     assert "| method |" in capsys.readouterr().out
+
+
+def test_native_bf16_is_read_from_the_cpu_flags() -> None:
+    """AVX512-BF16 or AMX-BF16 in the flags of /proc/cpuinfo; an AVX2-only CPU has neither."""
+    from ensemble_core.members import cpu_has_native_bf16, parse_cpu_flags
+
+    zen4 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
+    assert cpu_has_native_bf16(parse_cpu_flags(zen4)) and not cpu_has_native_bf16(parse_cpu_flags(avx2))
+    assert parse_cpu_flags("no flags here") == frozenset() and not cpu_has_native_bf16(frozenset())
+    assert cpu_has_native_bf16(parse_cpu_flags("flags : amx_bf16 amx_tile"))

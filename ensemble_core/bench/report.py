@@ -24,9 +24,28 @@ def _fmt(value: Any, kind: str = "f") -> str:
     return f"{value:.2f}"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else :func:`platform.processor`.
+
+    Recorded with every run because this project's machines change between sessions (an
+    AVX2 CPU one day, an AVX-512 one with native bfloat16 the next) and member costs with them.
+    """
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def hardware() -> dict[str, Any]:
+    from ..members import cpu_has_native_bf16
+
     info = {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "processor": platform.processor()}
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "processor": platform.processor(),
+            "cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": cpu_has_native_bf16()}
     try:
         import transformers
         info["transformers"] = transformers.__version__
@@ -37,6 +56,14 @@ def hardware() -> dict[str, Any]:
     return info
 
 
+def _cpu_note(hw: dict[str, Any]) -> str:
+    """``", CPU <model> (<ISA>, native bf16)"`` for the summary line; empty for records made before it was kept."""
+    if "cpu_capability" not in hw:
+        return ""
+    return (f", CPU {hw.get('cpu_model') or '?'} ({hw['cpu_capability']}"
+            + (", native bf16" if hw.get("native_bf16") else "") + ")")
+
+
 def write_markdown(path: Path, summary: dict[str, Any]) -> None:
     meta = summary["meta"]
     lines = [f"# Benchmark: {meta['dataset']} ({meta['questions']} questions)", "",
@@ -44,6 +71,7 @@ def write_markdown(path: Path, summary: dict[str, Any]) -> None:
              f"- members: {', '.join(meta['members'])}; max_new_tokens {meta['max_new_tokens']}; shots {meta['shots']}",
              f"- hardware: {meta['hardware']['platform']}, {meta['hardware']['cpu_count']} CPUs "
              f"({meta['hardware']['torch_threads']} torch threads), torch {meta['hardware']['torch']}"
+             + _cpu_note(meta['hardware'])
              + (f", GPUs: {', '.join(meta['hardware']['gpus'])}" if meta['hardware'].get('gpus') else ""), "",
              "| method | n | accuracy | mean latency s | tokens/s | s/100 chars | TTFT/TTFS s | E/T | x own drafter "
              "| x fast member | x slow member | corrupted | errors |",

@@ -88,6 +88,37 @@ def _fmt_x(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}x"
 
 
+def _ratio_each(target: Target, summary: Summary, skipped: dict[str, str]) -> tuple[float | None, str]:
+    """A ratio target evaluated for every A row (``"each": true``): the best value, every row's in the detail.
+
+    Why: a target such as "SAFE with SmolLM2 drafting <= 1.0x Qwen alone, for the trio or
+    the Qwen pair" holds for a member set, and a run with ``--subsets`` has one SAFE row
+    per set; taking the first row would judge the trio only. With ``"same_members": true``
+    the B row is the one with the same members (SAFE vs every-token *on the same members*);
+    ``"invert": true`` makes the value B / A (how many times faster A is than B).
+    """
+    spec = target.value
+    sel_a, sel_b = spec["ratio"]
+    metric = spec["metric"]
+    b_rows = [(k, v) for k, v in select(summary, sel_b) if v.get(metric)]
+    pairs = []
+    for a_label, a in select(summary, sel_a):
+        if a.get(metric) is None:
+            continue
+        same = [(k, v) for k, v in b_rows if v.get("members") == a.get("members")]
+        match = same[:1] if spec.get("same_members") else b_rows[:1]
+        if match:
+            b_label, b = match[0]
+            value = b[metric] / a[metric] if spec.get("invert") else a[metric] / b[metric]
+            pairs.append((a_label, b_label, value) if not spec.get("invert") else (b_label, a_label, value))
+    if not pairs:
+        return None, _missing([sel_a, sel_b], summary, skipped)
+    pick = min if target.op == "<=" else max
+    best = pick(pairs, key=lambda p: p[2])
+    detail = f"best: {best[0]} / {best[1]} ({metric}); " + "; ".join(f"{a} / {b}: {_fmt_x(v)}" for a, b, v in pairs)
+    return best[2], detail
+
+
 def compute(target: Target, summary: Summary, skipped: dict[str, str],
             micro: dict[str, Any] | None) -> tuple[float | None, str]:
     """``(value, detail)`` of one target; the detail says why when the value is None."""
@@ -112,6 +143,8 @@ def compute(target: Target, summary: Summary, skipped: dict[str, str],
             return None, _missing([sel_a, sel_b], summary, skipped)
         (a_label, a), (b_label, b) = best
         return a - b, f"best {sel_a.partition(':')[0]}: {a_label} {a:.3g}; best {sel_b.partition(':')[0]}: {b_label} {b:.3g}"
+    if spec.get("each"):
+        return _ratio_each(target, summary, skipped)
     sel_a, sel_b = spec["ratio"]
     a_rows, b_rows = select(summary, sel_a), select(summary, sel_b)
     metric_b = spec.get("metric_b", metric)
