@@ -84,9 +84,9 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     """``--device``, ``--dtype``, ``--quantize``: how members load (read by :func:`member_options`)."""
     p.add_argument("--device", nargs="+", metavar="DEVICE", default=None,
                    help="one device for all members or one per member, e.g. --device cuda:0 cuda:1 (default cpu)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="member dtype (auto: float32 on CPU, bfloat16 on GPU; on a CPU with native bf16, "
-                        "AVX512-BF16 or AMX, bfloat16 is faster: docs/benchmarks.md)")
+    p.add_argument("--dtype", nargs="+", default=["auto"], choices=["auto", "float32", "float16", "bfloat16"],
+                   help="one dtype for all members or one per member (auto: float32 on CPU, bfloat16 on GPU; "
+                        "on a CPU with native bf16, AVX512-BF16 or AMX, bfloat16 is faster: docs/benchmarks.md)")
     p.add_argument("--quantize", nargs="+", metavar="SCHEME", default=None, choices=["none", *SCHEMES],
                    help="one scheme for all members or one per member, e.g. --quantize none int8: int8 makes a "
                         "CPU member's linear layers dynamic int8 (faster, different greedy outputs)")
@@ -233,7 +233,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         methods = THROUGHPUT_METHODS if args.methods == list(ALL_METHODS) else tuple(args.methods)
         out = Path(args.out if args.out != "results/bench" else "results/throughput")
         run_throughput(ThroughputOptions(
-            methods=methods, members=tuple(members), concurrency=tuple(args.concurrency),
+            methods=methods, members=tuple(members), devices=tuple(args.device or ()), dtype=tuple(args.dtype),
+            quantize=tuple(args.quantize or ()), concurrency=tuple(args.concurrency),
             max_new_tokens=args.max_new_tokens if args.max_new_tokens != 256 else 64, dataset=args.dataset,
             data_path=args.data_path, offset=args.offset, sequential_requests=args.sequential,
             stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop, out=str(out), threads=args.threads,
@@ -244,7 +245,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     options = BenchOptions(
         dataset=args.dataset, data_path=args.data_path, limit=args.limit, offset=args.offset, shots=args.shots,
-        methods=tuple(args.methods), members=tuple(members), devices=tuple(args.device or ()), dtype=args.dtype,
+        methods=tuple(args.methods), members=tuple(members), devices=tuple(args.device or ()), dtype=tuple(args.dtype),
         quantize=tuple(args.quantize or ()), max_new_tokens=args.max_new_tokens,
         stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop,
         every_token_distributions=tuple(args.every_token_distributions),

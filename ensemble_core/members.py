@@ -84,17 +84,19 @@ def per_member_options(count: int, dtype: Any = "auto", devices: Sequence[str] =
                        quantize: Sequence[str | None] = ()) -> list[dict[str, Any]]:
     """Load options of ``count`` members from command-line style lists (one value for all, or one per member).
 
-    ``quantize`` values are ``"int8"`` or ``"none"``/None. Shared by ``ensemble`` and
-    ``ensemble bench`` so that both read their flags the same way.
+    ``dtype`` is one value or a list (``["float32", "bfloat16"]``: a float32 drafter next to
+    a bfloat16 verifier). ``quantize`` values are ``"int8"`` or ``"none"``/None. Shared by
+    ``ensemble`` and ``ensemble bench`` so that both read their flags the same way.
     """
     def pick(values: Sequence[Any], flag: str, i: int) -> Any:
         if len(values) not in (1, count):
             raise InvalidOptionError(flag, list(values), f"one value for all members or one per member ({count})")
         return values[i if len(values) > 1 else 0]
 
+    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
     out = []
     for i in range(count):
-        opts: dict[str, Any] = {"dtype": dtype}
+        opts: dict[str, Any] = {"dtype": pick(dtypes, "--dtype", i)}
         if devices:
             opts["device"] = pick(devices, "--device", i)
         if quantize:

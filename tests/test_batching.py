@@ -429,6 +429,14 @@ def test_throughput_baseline_runs_in_its_own_process(llama: Member, tmp_path) ->
     level = summary["results"]["single"]["levels"]["2"]
     assert summary["results"]["single"]["baseline"] == "process"
     assert level["baseline_requests"] == 2 and level["identical_outputs"] == 2 and level["tokens"] > 0
-    assert json.loads((tmp_path / "out" / "throughput.json").read_text())["meta"]["options"]["baseline_process"]
+    meta = json.loads((tmp_path / "out" / "throughput.json").read_text())["meta"]
+    assert meta["options"]["baseline_process"] and meta["options"]["dtype"] == "auto"
+
+    # the members' load options reach both sides (the worker loads its members itself)
+    assert summary["results"]["single"]["dtypes"] == summary["results"]["single"]["baseline_dtypes"] == ["float32"]
+    bf16 = ThroughputOptions(**{**options.__dict__, "dtype": ("bfloat16",), "out": str(tmp_path / "bf16")})
+    single = run_throughput(bf16)["results"]["single"]
+    assert single["dtypes"] == single["baseline_dtypes"] == ["bfloat16"]
+    assert single["levels"]["2"]["identical_outputs"] == 2
     with pytest.raises(ModelLoadError, match="nowhere"):  # raised in the worker, re-raised here
         ProcessBaseline([str(tmp_path / "nowhere")], "single", {"max_new_tokens": 2}, 1, False)

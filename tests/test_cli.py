@@ -32,6 +32,10 @@ def test_generate_config_and_member_options() -> None:
     assert member_options(args, 2) == [{"dtype": "auto", "quantize": None}, {"dtype": "auto", "quantize": "int8"}]
     with pytest.raises(InvalidOptionError, match="--quantize"):
         member_options(args, 3)
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--dtype", "float32", "bfloat16"])
+    assert member_options(args, 2) == [{"dtype": "float32"}, {"dtype": "bfloat16"}]  # a float32 drafter, a bf16 verifier
+    with pytest.raises(InvalidOptionError, match="--dtype"):
+        member_options(args, 3)
     args = build_parser().parse_args(["bench"])
     assert args.max_new_tokens == 256 and args.dataset == "gsm8k" and len(args.methods) == 5
 

@@ -45,7 +45,7 @@ class BenchOptions:
     methods: tuple[str, ...] = ALL_METHODS
     members: tuple[str, ...] = ("smollm2-135m-instruct", "gemma3-270m")
     devices: tuple[str, ...] = ()
-    dtype: str = "auto"
+    dtype: str | tuple[str, ...] = "auto"  # one dtype for all members or one per member
     quantize: tuple[str | None, ...] = ()  # one scheme for all members or one per member ("none" / "int8")
     max_new_tokens: int = 256
     #: Same for every method: a base model answering through the fallback transcript goes on

@@ -42,7 +42,7 @@ from ..batching import BatchingConfig
 from ..datasets import cot_prompt, load_dataset
 from ..ensemble import Ensemble, resolve_members
 from ..errors import EnsembleError, InvalidOptionError
-from ..members import Member
+from ..members import Member, MemberSpec, per_member_options
 from .records import jsonable
 from .report import hardware
 from .targets import load_targets
@@ -56,6 +56,11 @@ class ThroughputOptions:
 
     methods: tuple[str, ...] = THROUGHPUT_METHODS
     members: tuple[str, ...] = ("smollm2-135m-instruct", "gemma3-270m")
+    #: How ``members`` load (as :class:`~ensemble_core.bench.BenchOptions`): one value for all
+    #: or one per member; the baseline process loads them the same way.
+    devices: tuple[str, ...] = ()
+    dtype: str | tuple[str, ...] = "auto"
+    quantize: tuple[str | None, ...] = ()
     concurrency: tuple[int, ...] = (1, 4, 8, 16)
     max_new_tokens: int = 64
     dataset: str = "gsm8k"
@@ -70,8 +75,8 @@ class ThroughputOptions:
     out: str = "results/throughput"
     threads: int | None = None
     warmup: bool = True
-    #: Run the one-by-one baseline in a worker process of its own (it loads ``members`` by
-    #: name once per method), so that neither side inherits the other's allocator and thread
+    #: Run the one-by-one baseline in a worker process of its own (it loads ``members`` from
+    #: their specs once per method), so that neither side inherits the other's allocator and thread
     #: state. Members passed in as objects cannot be re-loaded there: they run in this process.
     baseline_process: bool = True
     command: str = ""
@@ -105,6 +110,11 @@ def _stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any
 Timed = tuple[int, float, str]  # (completion tokens, seconds, text) of one request alone
 
 
+def _dtypes(members: list[Member]) -> list[str]:
+    """Each member's parameter dtype, as recorded for both sides of a level (they must match)."""
+    return [str(getattr(m.model, "dtype", "?")).removeprefix("torch.") for m in members]
+
+
 def _warm_up(ensemble: Ensemble) -> None:
     """One short request, so that neither side's first timed request pays for lazy set-up."""
     ensemble.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
@@ -120,16 +130,16 @@ def _one_by_one(ensemble: Ensemble, prompts: list[Any]) -> list[Timed]:
     return out
 
 
-def _baseline_worker(conn: Any, names: list[str], method: str, common: dict[str, Any], threads: int | None,
+def _baseline_worker(conn: Any, specs: list[MemberSpec], method: str, common: dict[str, Any], threads: int | None,
                      warmup: bool) -> None:
     """The worker process of :class:`ProcessBaseline`: load once, then answer prompt lists."""
     try:
         if threads is not None:
             torch.set_num_threads(threads)
-        alone = Ensemble(resolve_members(names), method=method, batching=False, **common)
+        alone = Ensemble(resolve_members(specs), method=method, batching=False, **common)
         if warmup:
             _warm_up(alone)
-        conn.send(("ready", os.getpid()))
+        conn.send(("ready", (os.getpid(), _dtypes(alone.members))))
     except BaseException as exc:  # noqa: BLE001 - sent to the parent, which re-raises it
         conn.send(("error", exc))
         return
@@ -146,6 +156,7 @@ class InlineBaseline:
     def __init__(self, members: list[Member], method: str, common: dict[str, Any], warmup: bool) -> None:
         self.ensemble = Ensemble(members, method=method, batching=False, **common)
         self.pid = os.getpid()
+        self.dtypes = _dtypes(self.ensemble.members)
         if warmup:
             _warm_up(self.ensemble)
 
@@ -159,15 +170,15 @@ class InlineBaseline:
 class ProcessBaseline:
     """One-by-one requests in a spawned worker process that loads the members by name once."""
 
-    def __init__(self, names: list[str], method: str, common: dict[str, Any], threads: int | None,
+    def __init__(self, specs: list[MemberSpec], method: str, common: dict[str, Any], threads: int | None,
                  warmup: bool) -> None:
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no state shared with this one
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_baseline_worker, args=(child, names, method, common, threads, warmup),
+        self._process = ctx.Process(target=_baseline_worker, args=(child, specs, method, common, threads, warmup),
                                     name=f"throughput-baseline-{method}", daemon=True)
         self._process.start()
         child.close()
-        self.pid = self._receive()
+        self.pid, self.dtypes = self._receive()
 
     def _receive(self) -> Any:
         try:
@@ -197,18 +208,18 @@ class ProcessBaseline:
 
 
 def measure_method(method: str, members: list[Member], prompts: list[Any], options: ThroughputOptions,
-                   progress: Any = None, names: list[str] | None = None) -> dict[str, Any]:
+                   progress: Any = None, specs: list[MemberSpec] | None = None) -> dict[str, Any]:
     """One method: each concurrency level batched, bracketed by its one-by-one baseline.
 
-    With ``names`` (how to load ``members``) and ``options.baseline_process`` the baseline
+    With ``specs`` (how to load ``members``) and ``options.baseline_process`` the baseline
     runs in a worker process; otherwise here. ``progress(result_so_far)`` is called after
     every level (the caller writes partial results).
     """
     ms = _members_for(method, members)
     common = {"max_new_tokens": options.max_new_tokens, "stop": tuple(options.stop)}
-    if names is not None and options.baseline_process:
+    if specs is not None and options.baseline_process:
         alone: InlineBaseline | ProcessBaseline = ProcessBaseline(
-            _members_for(method, list(names)), method, common, options.threads, options.warmup)
+            _members_for(method, list(specs)), method, common, options.threads, options.warmup)
     else:
         alone = InlineBaseline(ms, method, common, options.warmup)
     try:
@@ -224,7 +235,8 @@ def _measure_levels(method: str, ms: list[Member], prompts: list[Any], options: 
         _warm_up(together)
     levels: dict[str, Any] = {}
     result = {"members": [m.name for m in ms], "levels": levels,
-              "baseline": "process" if alone.pid != os.getpid() else "inline"}
+              "baseline": "process" if alone.pid != os.getpid() else "inline",
+              "dtypes": _dtypes(ms), "baseline_dtypes": alone.dtypes}
     for c in options.concurrency:
         baseline = prompts[:min(c, options.sequential_requests or c)]
         half = (len(baseline) + 1) // 2
@@ -309,15 +321,16 @@ def run_throughput(options: ThroughputOptions, members: list[Member] | None = No
     n = max(options.concurrency)
     problems = load_dataset(options.dataset, n, options.offset, options.data_path)
     prompts = [cot_prompt(p.question) for p in problems]
-    names = None
+    specs = None
     if members is None:
-        names = list(options.members)
-        members = resolve_members(names)
+        specs = [MemberSpec(name, **opts) for name, opts in zip(options.members, per_member_options(
+            len(options.members), options.dtype, options.devices, options.quantize))]
+        members = resolve_members(specs)
     results: dict[str, Any] = {}
     for method in options.methods:
         def partial(result: dict[str, Any], method: str = method) -> None:
             (out / "throughput.partial.json").write_text(json.dumps({**results, method: result}, indent=2))
-        results[method] = measure_method(method, members, prompts, options, partial, names)
+        results[method] = measure_method(method, members, prompts, options, partial, specs)
     summary = {
         "meta": {"dataset": options.dataset, "questions": len(prompts), "max_new_tokens": options.max_new_tokens,
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
