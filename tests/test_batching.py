@@ -437,6 +437,15 @@ def test_throughput_baseline_runs_in_its_own_process(llama: Member, tmp_path) ->
     bf16 = ThroughputOptions(**{**options.__dict__, "dtype": ("bfloat16",), "out": str(tmp_path / "bf16")})
     single = run_throughput(bf16)["results"]["single"]
     assert single["dtypes"] == single["baseline_dtypes"] == ["bfloat16"]
+    assert len(single["levels"]["2"]["differences"]) == 2 - single["levels"]["2"]["identical_outputs"]
     assert single["levels"]["2"]["identical_outputs"] == 2
     with pytest.raises(ModelLoadError, match="nowhere"):  # raised in the worker, re-raised here
         ProcessBaseline([str(tmp_path / "nowhere")], "single", {"max_new_tokens": 2}, 1, False)
+
+
+def test_output_differences_say_where_batched_and_alone_outputs_part() -> None:
+    from ensemble_core.bench.throughput import _parted, output_differences
+
+    diffs = output_differences(["same", "abcX", "ab"], ["same", "abcd", "abc"])
+    assert diffs == [{"request": 1, "common_chars": 3, "chars": 4}, {"request": 2, "common_chars": 2, "chars": 3}]
+    assert _parted(diffs) == " (parted at chars 3/4, 2/3)" and _parted([]) == ""
