@@ -34,7 +34,7 @@ from .errors import (
     PromptTooLongError,
     UnknownAliasError,
 )
-from .head import use_few_row_head
+from .products import use_cpu_products
 from .quantize import check_scheme, quantize
 from .structured import StructuredRequest, with_instructions
 
@@ -240,7 +240,7 @@ def _load_objects(spec: MemberSpec) -> tuple[Any, Any]:
     model.eval()
     model.requires_grad_(False)
     quantize(model, spec.quantize)  # opt-in, the head stays float32: see quantize.py
-    use_few_row_head(model)  # verify windows and batched steps ask the head for a few rows: see head.py
+    use_cpu_products(model)  # float32 products on a CPU through oneDNN: see products.py
     return model, tokenizer
 
 

@@ -12,8 +12,8 @@ the measured prompts): for Qwen2.5-Coder the text stayed as good (arith, 20 ques
 shots: 100 % correct either way, 1.89x less time per output character), for SmolLM2-135M
 it did not (a GSM8K chain of thought turned into "A: 16." repeated). Hence opt-in and per
 member (``MemberSpec(quantize="int8")``): quantize the big member, keep a small drafter
-in float32. The output head stays float32 (it decides the token; the few-row product of
-:mod:`ensemble_core.head` keeps it cheap), and so do embeddings and norms.
+in float32. The output head stays float32 (it decides the token; the oneDNN product of
+:mod:`ensemble_core.products` keeps it cheap), and so do embeddings and norms.
 
 The kernels come from ``torch.ao.quantization.quantize_dynamic``, which PyTorch has
 deprecated in favour of torchao (pytorch/ao#2259) but still ships; torchao's CPU path

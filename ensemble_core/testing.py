@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from .bundled import BUNDLED, convert_gguf
-from .head import use_few_row_head
 from .members import Member
+from .products import use_cpu_products
 
 
 @functools.cache
@@ -54,7 +54,7 @@ def tiny_member(alias: str, seed: int = 0, name: str | None = None, **overrides:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval().requires_grad_(False)
-    use_few_row_head(model)  # as loaded members do
+    use_cpu_products(model)  # as loaded members do
     return Member(model, tokenizer, name=name or f"tiny-{alias}-{seed}")
 
 

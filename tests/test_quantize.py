@@ -14,8 +14,8 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
 from ensemble_core import Ensemble, Member
 from ensemble_core.errors import InvalidOptionError
-from ensemble_core.head import FewRowHead
 from ensemble_core.members import MemberSpec, per_member_options
+from ensemble_core.products import CpuLinear
 from ensemble_core.testing import greedy_decode, random_ids, reference_greedy, tiny_member
 
 
@@ -53,7 +53,7 @@ def test_int8_member_is_its_own_model_with_a_float_head(saved_tiny: str) -> None
     assert int8.model is not plain.model and Member.load(saved_tiny, quantize="int8").model is int8.model
     layers = [m for m in int8.model.modules() if isinstance(m, DynamicInt8Linear)]
     assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down per decoder layer
-    assert type(int8.model.get_output_embeddings()) is FewRowHead  # the head decides the token: float32
+    assert type(int8.model.get_output_embeddings()) is CpuLinear  # the head decides the token: float32
     assert not any(isinstance(m, DynamicInt8Linear) for m in plain.model.modules())  # the float copy is untouched
     ids = random_ids(24, 5)
     with torch.inference_mode():
