@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+import platform
 import re
 import socket
 import threading
@@ -119,12 +120,25 @@ def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
 
 
 @functools.cache
+def cpuinfo() -> str:
+    """Linux's ``/proc/cpuinfo`` text (empty where it is absent)."""
+    try:
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as Linux reports them (empty where ``/proc/cpuinfo`` is absent)."""
-    try:
-        return parse_cpu_flags(Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace"))
-    except OSError:
-        return frozenset()
+    return parse_cpu_flags(cpuinfo())
+
+
+def cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), else :func:`platform.processor`."""
+    for line in cpuinfo().splitlines():
+        if line.split(":")[0].strip() == "model name":
+            return line.partition(":")[2].strip()
+    return platform.processor()
 
 
 def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:

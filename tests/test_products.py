@@ -11,7 +11,15 @@ from ensemble_core.testing import random_ids, tiny_member
 
 def test_onednn_is_used_on_this_machine() -> None:
     """The speed of every member on this project's CPUs depends on it: a missing op must show."""
+    from torch.profiler import ProfilerActivity, profile
+
     assert onednn_available()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300))
+    use_cpu_products(model)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.inference_mode():
+        model(torch.randn(5, 64))
+    ops = {e.key for e in prof.key_averages()}
+    assert "mkldnn::_linear_pointwise" in ops and "aten::addmm" not in ops, ops
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 64, 200])

@@ -24,23 +24,11 @@ def _fmt(value: Any, kind: str = "f") -> str:
     return f"{value:.2f}"
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else :func:`platform.processor`.
-
-    Recorded with every run because this project's machines change between sessions (an
-    AVX2 CPU one day, an AVX-512 one with native bfloat16 the next) and member costs with them.
-    """
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def hardware() -> dict[str, Any]:
-    from ..members import cpu_has_native_bf16
+    """The machine a run was made on; the CPU's model, ISA and native bf16 too, because this
+    project's machines change between sessions (AVX2 one day, AVX-512 with bf16 the next)
+    and member costs change with them."""
+    from ..members import cpu_has_native_bf16, cpu_model
 
     info = {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "processor": platform.processor(),

@@ -108,9 +108,8 @@ def _ratio_each(target: Target, summary: Summary, skipped: dict[str, str]) -> tu
         same = [(k, v) for k, v in b_rows if v.get("members") == a.get("members")]
         match = same[:1] if spec.get("same_members") else b_rows[:1]
         if match:
-            b_label, b = match[0]
-            value = b[metric] / a[metric] if spec.get("invert") else a[metric] / b[metric]
-            pairs.append((a_label, b_label, value) if not spec.get("invert") else (b_label, a_label, value))
+            num, den = ((a_label, a), match[0])[::-1 if spec.get("invert") else 1]
+            pairs.append((num[0], den[0], num[1][metric] / den[1][metric]))
     if not pairs:
         return None, _missing([sel_a, sel_b], summary, skipped)
     pick = min if target.op == "<=" else max
