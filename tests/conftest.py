@@ -5,6 +5,11 @@
 * ``qwen``: the third bundled real model, Qwen2.5-Coder-0.5B-Instruct (not a default member).
 * ``tiny_llama`` / ``tiny_gemma`` / ``tiny_qwen``: random-weight members built from transformers
   configs with the *real* tokenizers, for fast tests of everything that does not need real weights.
+
+Under ``./dev test`` (pytest-xdist, ``--dist loadgroup``) each file runs whole in one process,
+and the files that load the real Qwen2.5-Coder member (:data:`QWEN_FILES`) share one
+process: the trio takes ~9 GB there (weights and their prepacked copies), and two processes
+holding it next to the Ray and notebook tests' own processes ran a 24 GB machine out of memory.
 """
 
 from __future__ import annotations
@@ -22,6 +27,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from ensemble_core import Member  # noqa: E402
 from ensemble_core.testing import tiny_member  # noqa: E402
+
+
+#: Test files that load the real Qwen2.5-Coder member: one xdist process runs them all.
+QWEN_FILES = ("test_qwen_real.py", "test_trio_real.py", "test_agents.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group tests for ``--dist loadgroup``: by file (a file's models load once), the Qwen files together."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("qwen-real" if name in QWEN_FILES else name))
 
 
 @pytest.fixture(scope="session")
