@@ -433,7 +433,9 @@ def test_throughput_baseline_runs_in_its_own_process(llama: Member, tmp_path) ->
     assert meta["options"]["baseline_process"] and meta["options"]["dtype"] == "auto"
 
     # the members' load options reach both sides (the worker loads its members itself)
-    assert summary["results"]["single"]["dtypes"] == summary["results"]["single"]["baseline_dtypes"] == ["float32"]
+    # (a tiny model's prepacked copy fits: both sides prepack, the worker by this process's decision)
+    assert summary["results"]["single"]["dtypes"] == summary["results"]["single"]["baseline_dtypes"] == [
+        "float32+prepacked"]
     bf16 = ThroughputOptions(**{**options.__dict__, "dtype": ("bfloat16",), "out": str(tmp_path / "bf16")})
     single = run_throughput(bf16)["results"]["single"]
     assert single["dtypes"] == single["baseline_dtypes"] == ["bfloat16"]

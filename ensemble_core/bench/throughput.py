@@ -32,7 +32,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from ..datasets import cot_prompt, load_dataset
 from ..ensemble import Ensemble, resolve_members
 from ..errors import EnsembleError, InvalidOptionError
 from ..members import Member, MemberSpec, per_member_options
+from ..products import is_prepacked
 from .records import jsonable
 from .report import hardware
 from .targets import load_targets
@@ -61,6 +62,7 @@ class ThroughputOptions:
     devices: tuple[str, ...] = ()
     dtype: str | tuple[str, ...] = "auto"
     quantize: tuple[str | None, ...] = ()
+    prepack: bool | None = None
     concurrency: tuple[int, ...] = (1, 4, 8, 16)
     max_new_tokens: int = 64
     dataset: str = "gsm8k"
@@ -126,8 +128,10 @@ def output_differences(batched: list[str], alone: list[str]) -> list[dict[str, i
 
 
 def _dtypes(members: list[Member]) -> list[str]:
-    """Each member's parameter dtype, as recorded for both sides of a level (they must match)."""
-    return [str(getattr(m.model, "dtype", "?")).removeprefix("torch.") for m in members]
+    """Each member's parameter dtype, and ``+prepacked`` when its products read prepacked weights, as recorded
+    for both sides of a level (they must match)."""
+    return [str(getattr(m.model, "dtype", "?")).removeprefix("torch.") + ("+prepacked" if is_prepacked(m.model) else "")
+            for m in members]
 
 
 def _warm_up(ensemble: Ensemble) -> None:
@@ -348,8 +352,10 @@ def run_throughput(options: ThroughputOptions, members: list[Member] | None = No
     specs = None
     if members is None:
         specs = [MemberSpec(name, **opts) for name, opts in zip(options.members, per_member_options(
-            len(options.members), options.dtype, options.devices, options.quantize))]
+            len(options.members), options.dtype, options.devices, options.quantize, options.prepack))]
         members = resolve_members(specs)
+        # the baseline process loads with this process's decisions: where memory decided, it could decide otherwise
+        specs = [replace(s, prepack=is_prepacked(m.model)) if s.prepack is None else s for s, m in zip(specs, members)]
     results: dict[str, Any] = {}
     for method in options.methods:
         def partial(result: dict[str, Any], method: str = method) -> None:
