@@ -22,7 +22,7 @@ from ensemble_core.alignment import decode, is_common_boundary, tokenize
 from ensemble_core.ensemble import Ensemble
 from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
 from ensemble_core.generation import GenerationResult
-from ensemble_core.safe import SafeConfig, SafeEnsemble, SafeRequest
+from ensemble_core.safe import SafeConfig, SafeEnsemble, SafeRequest, draft_tokens
 
 FFFD = "\ufffd"
 
@@ -122,7 +122,8 @@ def check_result(result: GenerationResult, max_new_tokens: int) -> None:
 @pytest.mark.parametrize("option, value", [
     ("drafter", -1), ("drafter", "0"), ("lookahead", 0), ("lookahead", True), ("distribution", "mean"),
     ("top_k", 0), ("consensus_threshold", 1.5), ("consensus_threshold", "high"), ("sharpening", "max"),
-    ("margin", -1), ("max_new_tokens", 0),
+    ("margin", -1), ("max_new_tokens", 0), ("draft_confidence", 1.0), ("draft_confidence", -0.1),
+    ("draft_confidence", "0.5"),
 ])
 def test_bad_config_values_raise_typed_errors(option: str, value: Any) -> None:
     with pytest.raises(InvalidOptionError) as err:
@@ -250,6 +251,31 @@ def test_threshold_zero_reproduces_the_drafters_greedy_tokens(real_pair: list[Me
     request = drive(method, prompt)
     assert list(request.views[0].tokens.ids) == greedy_ids(real_pair[0], prompt, 32)
     assert request.counters.ensembled == 0
+
+
+@pytest.mark.real
+def test_draft_confidence_ends_drafts_after_an_unsure_token(smollm2: Member) -> None:
+    """Every drafted token but the last has at least the threshold; the last is unsure, or the draft is full."""
+    config = SafeConfig()
+    lengths = []
+    for prompt in ("Name three primary colors.", "Write a haiku about rain.", "What is 17 * 23? Think step by step."):
+        state = smollm2.start(prompt)
+        ids, rows = draft_tokens(state, 6, 40, config, None, confidence=0.6)
+        probs = [rows.prob(j, t) for j, t in enumerate(ids)]
+        assert all(p >= 0.6 for p in probs[:-1]), probs
+        assert probs[-1] < 0.6 or len(ids) == 6, probs
+        lengths.append(len(ids))
+    assert min(lengths) < 6  # the threshold did cut a draft here
+
+
+@pytest.mark.real
+def test_draft_confidence_keeps_the_drafters_greedy_tokens_in_more_rounds(real_pair: list[Member]) -> None:
+    """With consensus_threshold 0 SAFE writes the drafter's greedy text: shorter drafts change the rounds, not it."""
+    prompt = "Name three primary colors."
+    full = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=32), prompt)
+    short = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=32, draft_confidence=0.9), prompt)
+    assert list(short.views[0].tokens.ids) == list(full.views[0].tokens.ids) == greedy_ids(real_pair[0], prompt, 32)
+    assert short.counters.rounds > full.counters.rounds
 
 
 @pytest.mark.real

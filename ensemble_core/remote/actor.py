@@ -160,12 +160,13 @@ class MemberActor:
         return next_row(state, new_ids).cpu().numpy()
 
     def _op_draft_tokens(
-        self, sid: int, state: DecodeState, limit: int, budget: int, sampling: tuple, generator: bytes | None
+        self, sid: int, state: DecodeState, limit: int, budget: int, sampling: tuple, generator: bytes | None,
+        confidence: float = 0.0,
     ) -> tuple:
         from ..safe import draft_tokens
 
         gen = restore_generator(generator)
-        ids, rows = draft_tokens(state, limit, budget, sampling_config(*sampling), gen)
+        ids, rows = draft_tokens(state, limit, budget, sampling_config(*sampling), gen, confidence=confidence)
         eos = self.member.eos_id_tensor
         probs = [rows.prob(j, t) for j, t in enumerate(ids)]
         last = len(ids) - 1

@@ -235,11 +235,12 @@ class RemoteDecodeState:
         return _tensor(row)
 
     def draft_tokens(
-        self, limit: int, budget: int, config: GenerationConfig, generator: torch.Generator | None
+        self, limit: int, budget: int, config: GenerationConfig, generator: torch.Generator | None,
+        confidence: float = 0.0,
     ) -> tuple[list[int], RemoteRows]:
         """:func:`ensemble_core.safe.draft_tokens` in the actor: ids, their probabilities, the rows kept there."""
         ids, probs, masses, version, gen = self._call(
-            "draft_tokens", limit, budget, _sampling(config), generator_state(generator)
+            "draft_tokens", limit, budget, _sampling(config), generator_state(generator), confidence
         )
         if generator is not None:
             generator.set_state(torch.frombuffer(bytearray(gen), dtype=torch.uint8))
