@@ -243,6 +243,9 @@ def test_run_bench_writes_every_artefact_on_tiny_members(tiny_llama, tiny_gemma,
     hw = summary["meta"]["hardware"]  # the ISA is kept with every run: member costs follow it
     assert hw["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and isinstance(hw["native_bf16"], bool)
     assert f"({hw['cpu_capability']}" in md
+    # and each member's dtype and whether it was prepacked (tiny members are built prepacked)
+    assert summary["meta"]["layouts"] == ["float32+prepacked"] * 2
+    assert f"{tiny_llama.name} (float32+prepacked)" in md
     assert summary["microbench"]["speedup_4"] > 0
     # --resume runs nothing twice
     again = run_bench(BenchOptions(**{**options.__dict__, "resume": True, "microbench": False}),

@@ -6,6 +6,7 @@ import os
 import platform
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,15 @@ def hardware() -> dict[str, Any]:
     return info
 
 
+def member_layouts(members: Sequence[Any]) -> list[str]:
+    """Each member's parameter dtype, with ``+prepacked`` when its products read prepacked weights
+    (``ensemble_core.products``): recorded with every run, since both change a member's speed."""
+    from ..products import is_prepacked
+
+    return [str(getattr(m.model, "dtype", "?")).removeprefix("torch.") + ("+prepacked" if is_prepacked(m.model) else "")
+            for m in members]
+
+
 def _cpu_note(hw: dict[str, Any]) -> str:
     """``", CPU <model> (<ISA>, native bf16)"`` for the summary line; empty for records made before it was kept."""
     if "cpu_capability" not in hw:
@@ -52,11 +62,17 @@ def _cpu_note(hw: dict[str, Any]) -> str:
             + (", native bf16" if hw.get("native_bf16") else "") + ")")
 
 
+def _members_note(meta: dict[str, Any]) -> str:
+    """``"a (float32+prepacked), b (float32)"``; names only for records made before layouts were kept."""
+    layouts = meta.get("layouts") or [None] * len(meta["members"])
+    return ", ".join(name + (f" ({lay})" if lay else "") for name, lay in zip(meta["members"], layouts))
+
+
 def write_markdown(path: Path, summary: dict[str, Any]) -> None:
     meta = summary["meta"]
     lines = [f"# Benchmark: {meta['dataset']} ({meta['questions']} questions)", "",
              f"- date: {meta['date']}", f"- command: `{meta['command']}`",
-             f"- members: {', '.join(meta['members'])}; max_new_tokens {meta['max_new_tokens']}; shots {meta['shots']}",
+             f"- members: {_members_note(meta)}; max_new_tokens {meta['max_new_tokens']}; shots {meta['shots']}",
              f"- hardware: {meta['hardware']['platform']}, {meta['hardware']['cpu_count']} CPUs "
              f"({meta['hardware']['torch_threads']} torch threads), torch {meta['hardware']['torch']}"
              + _cpu_note(meta['hardware'])

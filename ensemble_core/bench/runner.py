@@ -26,7 +26,7 @@ from ..members import Member, per_member_options
 from ..stats import MemberStats, RequestStats
 from .microbench import verify_microbench
 from .records import RESULTS_FILE, error_record, jsonable, make_record, summarize_rows
-from .report import hardware, write_markdown, write_plots
+from .report import hardware, member_layouts, write_markdown, write_plots
 from .targets import evaluate_targets
 
 ALL_METHODS = ("single", "every-token", "safe", "specem", "generate-then-select")
@@ -421,7 +421,8 @@ def run_bench(options: BenchOptions, members: list[Member] | None = None) -> dic
         micro = verify_microbench(members, reps=options.microbench_reps)
     summary = {
         "meta": {"dataset": options.dataset, "questions": len(problems), "offset": options.offset,
-                 "members": [m.name for m in members], "max_new_tokens": options.max_new_tokens, "shots": n_shots,
+                 "members": [m.name for m in members], "layouts": member_layouts(members),
+                 "max_new_tokens": options.max_new_tokens, "shots": n_shots,
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                  "command": options.command or "run_bench(...)", "hardware": hardware(),
                  "options": jsonable(dataclasses.asdict(options))},

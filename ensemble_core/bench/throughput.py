@@ -45,7 +45,7 @@ from ..errors import EnsembleError, InvalidOptionError
 from ..members import Member, MemberSpec, per_member_options
 from ..products import is_prepacked
 from .records import jsonable
-from .report import hardware
+from .report import hardware, member_layouts
 from .targets import load_targets
 
 THROUGHPUT_METHODS = ("single", "safe", "specem")
@@ -127,13 +127,6 @@ def output_differences(batched: list[str], alone: list[str]) -> list[dict[str, i
     return out
 
 
-def _dtypes(members: list[Member]) -> list[str]:
-    """Each member's parameter dtype, and ``+prepacked`` when its products read prepacked weights, as recorded
-    for both sides of a level (they must match)."""
-    return [str(getattr(m.model, "dtype", "?")).removeprefix("torch.") + ("+prepacked" if is_prepacked(m.model) else "")
-            for m in members]
-
-
 def _warm_up(ensemble: Ensemble) -> None:
     """One short request, so that neither side's first timed request pays for lazy set-up."""
     ensemble.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
@@ -158,7 +151,7 @@ def _baseline_worker(conn: Any, specs: list[MemberSpec], method: str, common: di
         alone = Ensemble(resolve_members(specs), method=method, batching=False, **common)
         if warmup:
             _warm_up(alone)
-        conn.send(("ready", (os.getpid(), _dtypes(alone.members))))
+        conn.send(("ready", (os.getpid(), member_layouts(alone.members))))
     except BaseException as exc:  # noqa: BLE001 - sent to the parent, which re-raises it
         conn.send(("error", exc))
         return
@@ -175,7 +168,7 @@ class InlineBaseline:
     def __init__(self, members: list[Member], method: str, common: dict[str, Any], warmup: bool) -> None:
         self.ensemble = Ensemble(members, method=method, batching=False, **common)
         self.pid = os.getpid()
-        self.dtypes = _dtypes(self.ensemble.members)
+        self.dtypes = member_layouts(self.ensemble.members)
         if warmup:
             _warm_up(self.ensemble)
 
@@ -255,7 +248,7 @@ def _measure_levels(method: str, ms: list[Member], prompts: list[Any], options: 
     levels: dict[str, Any] = {}
     result = {"members": [m.name for m in ms], "levels": levels,
               "baseline": "process" if alone.pid != os.getpid() else "inline",
-              "dtypes": _dtypes(ms), "baseline_dtypes": alone.dtypes}
+              "dtypes": member_layouts(ms), "baseline_dtypes": alone.dtypes}
     for c in options.concurrency:
         baseline = prompts[:min(c, options.sequential_requests or c)]
         half = (len(baseline) + 1) // 2
