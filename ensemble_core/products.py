@@ -20,8 +20,8 @@ and the output heads the same way (Qwen's 151,936 x 896 at 8 rows: 77 ms MKL, 93
 ``weight @ x.T``, the rewrite this module replaces, 41 ms oneDNN, one thread;
 ``docs/results/trio/cpu-kernels/body_products.py`` and docs/benchmarks.md, "oneDNN products").
 oneDNN is PyTorch's own CPU library (``torch.ops.mkldnn._linear_pointwise``, the op that
-``torch.compile`` lowers CPU linears to); it takes the dense weight as it is, so nothing is
-copied or re-laid out, and tied heads stay tied.
+``torch.compile`` lowers CPU linears to); it takes the dense weight as it is, so the
+parameters stay as they are and tied heads stay tied.
 
 What it changes. Values equal ``linear``'s up to summation order (about 1e-6 here), so a
 greedy choice between two nearly tied tokens can flip; the recorded golden outputs stayed
@@ -35,7 +35,8 @@ that reads the dense weight as it is). So each :class:`CpuLinear` also keeps the
 once in the blocked layout (:func:`prepack`, the op ``torch.compile``'s freezing uses) and
 products of 2+ rows read that copy: **the same values bit for bit** as the dense call
 (the same kernel, minus the re-layout), and on this project's 2-core AVX2 EPYC, two
-threads, ms per product dense → prepacked (``docs/benchmarks.md``, "Prepacked weights"):
+threads, ms per product dense → prepacked (docs/benchmarks.md, "Prepacked weights and fused
+projections"):
 
 =========================  =============  =============  =============  =============
 weight                     1 row          2 rows         8 rows         64 rows
@@ -52,9 +53,14 @@ head is copied too). So by default (``MemberSpec(prepack=None)``) a model is pre
 when the copy takes at most :data:`PREPACK_MEMORY_SHARE` of the memory available when it
 loads (:func:`should_prepack`): a member that barely fits is never pushed out of memory,
 and since prepacking changes no value, outputs never depend on the decision, only speed
-does. ``prepack=True`` / ``False`` (``--no-prepack``) decide explicitly. A weight changed
-in place after packing (fine-tuning) makes its layer fall back to the dense product;
-nothing reads a stale copy.
+does. ``prepack=True`` / ``False`` (``--prepack on|off``) decide explicitly. A weight
+changed in place after packing (fine-tuning) makes its layer fall back to the dense
+product; nothing reads a stale copy.
+
+Fused projections. A block's query/key/value projections (and its gate/up projections)
+read the same input: :class:`FusedProjections` computes each such group as one product of
+the stacked weights, so a narrow model pays oneDNN's per-call cost three times per block
+instead of seven, with the same values (see there).
 """
 
 from __future__ import annotations
@@ -167,9 +173,10 @@ class FusedProjections:
     state, and so do its gate and up projections. Stacking them makes seven products per
     block three, with the same values bit for bit (each output is the same dot product;
     ``tests/test_products.py`` checks every bundled architecture). Measured on this
-    project's 2-core AVX2 CPU, two threads, a decode step: SmolLM2-135M 57-67 → 45-55 ms,
-    Gemma-3-270m 71-75 → 58-65 ms, Qwen2.5-0.5B 100-114 → 92-94 ms (docs/benchmarks.md,
-    "Fused projections").
+    project's 2-core AVX2 CPU, two threads, prepacked either way: a decode step of
+    SmolLM2-135M 53 → 49 ms, Gemma-3-270m 79 → 73 ms, Qwen2.5-0.5B 118 → 111 ms, a 2-token
+    pass of SmolLM2 61 → 51 ms (docs/benchmarks.md, "Prepacked weights and fused
+    projections").
 
     How: each layer's weight (and bias) becomes a view of the stacked one, so nothing is
     stored twice. The first sibling (``q_proj``, ``gate_proj``) computes the stacked product
