@@ -149,6 +149,17 @@ class CpuLinear(torch.nn.Linear):
         self.__dict__["_packed"] = None if packed is None else (packed, self.weight._version, self.weight.data_ptr())
         return packed is not None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, ``torch.save``) leaves the packed copy and the stacking behind.
+
+        oneDNN's packed tensors cannot be copied or pickled; the copy computes each layer's own
+        dense product (the same values), and ``use_cpu_products`` on it packs and stacks again.
+        """
+        state = dict(self.__dict__)
+        state.pop("_group", None)
+        state["_packed"] = None
+        return state
+
     def packed(self) -> torch.Tensor | None:
         """The prepacked weight, or None: never packed, or the weight has changed since (then dropped)."""
         entry = self.__dict__.get("_packed")

@@ -262,3 +262,28 @@ def test_stacked_weights_changed_or_replaced_after_packing() -> None:
         assert torch.allclose(model(x, x), _reference(model, x, x), atol=1e-5)
         assert not group.stacking
     assert set(model.state_dict()) == {f"{n}.{p}" for n in ("q_proj", "k_proj", "v_proj") for p in ("weight", "bias")}
+
+
+def test_a_prepacked_model_can_be_copied_and_saved() -> None:
+    """oneDNN's packed tensors cannot be copied: a copy drops them (and the stacking) and computes the same values."""
+    import copy
+    import io
+
+    member = tiny_member("qwen2.5-coder-0.5b-instruct", seed=4)
+    ids = torch.tensor([random_ids(12, 3)])
+    with torch.inference_mode():
+        want = member.model(input_ids=ids).logits
+    twin = copy.deepcopy(member.model)
+    assert not is_prepacked(twin) and not _groups(twin)
+    buffer = io.BytesIO()
+    torch.save(member.model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.inference_mode():
+        assert torch.allclose(twin(input_ids=ids).logits, want, atol=1e-5)
+        assert torch.allclose(loaded(input_ids=ids).logits, want, atol=1e-5)
+    use_cpu_products(twin)  # packs and stacks the copy again
+    assert is_prepacked(twin) and len(_groups(twin)) == len(_groups(member.model))
+    with torch.inference_mode():
+        assert torch.equal(twin(input_ids=ids).logits, want)
+    assert is_prepacked(member.model) and _groups(member.model)  # the original is untouched
