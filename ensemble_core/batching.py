@@ -22,8 +22,12 @@ for free. A request running alone skips the queue (its passes run in its own thr
 
 How to run (:func:`batched_forward`). Jobs of one model are grouped by length (padding
 wastes compute: :func:`plan_groups`); a group of one row runs the member's ordinary,
-unbatched forward (so a lone request is bit-identical to unbatched decoding). A larger
-group gathers every row's KV cache into a left-padded batch cache, right-pads the new ids,
+unbatched forward (so a lone request is bit-identical to unbatched decoding). In a larger
+group, the rows' layers that can stay in the model's :class:`~ensemble_core.slab.Slab` (its
+batch KV storage, where the rows' own caches live between passes) are read and written
+there, with no copy; the others (sliding layers past their window, a row that sits a pass
+out in the middle of the slab) are gathered as follows. The pass gathers every such
+row's KV cache into a left-padded batch cache, right-pads the new ids,
 passes explicit per-row position ids and a custom 4-D additive mask per layer type (the
 same mechanism as :func:`~ensemble_core.verify_inline.packed_masks`): a query sees its
 row's real cached keys, the new keys its job allows (causal, or the packed-candidate
@@ -49,7 +53,9 @@ from typing import Any
 
 import torch
 
+from .cache import RoomyLayer, RoomySlidingLayer
 from .errors import InvalidOptionError
+from .slab import Slab
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,11 @@ class Participant:
 
 @dataclass
 class BatcherStats:
-    """What the batcher did: model calls made, rows served, and how many calls held several rows."""
+    """What the batcher did: model calls made, rows served, and how many calls held several rows.
+
+    ``slab_in_place``: batched passes whose rows' full-attention states were read where they
+    lay (:mod:`~ensemble_core.slab`); ``slab_rebuilt``: passes that first copied rows in.
+    """
 
     model_calls: int = 0
     batched_calls: int = 0
@@ -167,6 +177,8 @@ class BatcherStats:
     real_tokens: int = 0
     padded_tokens: int = 0
     max_rows: int = 0
+    slab_in_place: int = 0
+    slab_rebuilt: int = 0
     calls_by_member: dict[str, int] = field(default_factory=dict)
     rows_by_member: dict[str, int] = field(default_factory=dict)
     seconds_by_member: dict[str, float] = field(default_factory=dict)
@@ -175,6 +187,7 @@ class BatcherStats:
         return {"model_calls": self.model_calls, "batched_calls": self.batched_calls, "rows": self.rows,
                 "fallback_rows": self.fallback_rows, "real_tokens": self.real_tokens,
                 "padded_tokens": self.padded_tokens, "max_rows": self.max_rows,
+                "slab_in_place": self.slab_in_place, "slab_rebuilt": self.slab_rebuilt,
                 "calls_by_member": dict(self.calls_by_member), "rows_by_member": dict(self.rows_by_member),
                 "seconds_by_member": dict(self.seconds_by_member)}
 
@@ -255,6 +268,8 @@ class Batcher:
         self._last_submit = 0.0
         #: per model, the gathered cache buffers of its last batched pass (reused by the next)
         self._buffers: weakref.WeakKeyDictionary[Any, dict[Any, torch.Tensor]] = weakref.WeakKeyDictionary()
+        #: per model, the batch KV storage its rows' full-attention layers live in between passes
+        self._slabs: weakref.WeakKeyDictionary[Any, Slab] = weakref.WeakKeyDictionary()
 
     # ---------------------------------------------------------------- requests
     def join(self) -> Participant:
@@ -435,7 +450,11 @@ class Batcher:
         results: list[torch.Tensor] | None = None
         if len(jobs) > 1:
             try:
-                results = batched_forward(member.model, jobs, self._buffers.setdefault(member.model, {}))
+                slab = self._slabs.setdefault(member.model, Slab())
+                before = (slab.stats.in_place, slab.stats.rebuilt)
+                results = batched_forward(member.model, jobs, self._buffers.setdefault(member.model, {}), slab)
+                self.stats.slab_in_place += slab.stats.in_place - before[0]
+                self.stats.slab_rebuilt += slab.stats.rebuilt - before[1]
             except Exception:  # noqa: BLE001 - an unexpected layout: fall back to exact per-row passes
                 results = None
         lengths = [len(j.ids) for j in jobs]
@@ -525,15 +544,13 @@ def _row_layout(cache: Any, types: Sequence[str], window: int | None) -> _RowLay
     """How many cached keys each layer type exposes for this row, or None when it cannot be gathered."""
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    from .cache import RoomyLayer
-
     layers = getattr(cache, "layers", None)
     if layers is None or len(layers) != len(types):
         return None
     context = int(cache.get_seq_length())
     visible: dict[str, int] = {}
     for layer, kind in zip(layers, types):
-        if type(layer) not in (DynamicLayer, RoomyLayer, DynamicSlidingWindowLayer):
+        if type(layer) not in (DynamicLayer, RoomyLayer, DynamicSlidingWindowLayer, RoomySlidingLayer):
             return None
         filled = getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.dim() == 4
         stored = int(layer.keys.shape[-2]) if filled else 0
@@ -593,12 +610,11 @@ def _padded(tensors: Sequence[torch.Tensor | None], counts: Sequence[int], width
     return out
 
 
-def _masks(jobs: Sequence[Job], layouts: Sequence[_RowLayout], types: Sequence[str], widths: dict[str, int],
-           width_new: int, window: int | None, dtype: torch.dtype, device: Any) -> Any:
-    """One additive ``[B, 1, N, K + N]`` mask per layer type (a single tensor for one-type models)."""
+def _masks(jobs: Sequence[Job], layouts: Sequence[_RowLayout], kinds: Sequence[str], widths: dict[str, int],
+           width_new: int, window: int | None, dtype: torch.dtype, device: Any) -> dict[str, torch.Tensor]:
+    """An additive ``[B, 1, N, K + N]`` mask per gathered layer type (new tokens at columns ``K ..``)."""
     masks: dict[str, torch.Tensor] = {}
-    fill = torch.finfo(dtype).min
-    for kind in dict.fromkeys(types):
+    for kind in kinds:
         k = widths[kind]
         allowed = torch.zeros(len(jobs), width_new, k + width_new, dtype=torch.bool, device=device)
         for r, (job, lay) in enumerate(zip(jobs, layouts)):
@@ -615,9 +631,38 @@ def _masks(jobs: Sequence[Job], layouts: Sequence[_RowLayout], types: Sequence[s
             allowed[r, :n, k:k + n] = new_ok
             pads = torch.arange(n, width_new, device=device)
             allowed[r, pads, k + pads] = True  # padding queries see themselves (no all-masked row)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, fill)
-        masks[kind] = mask[:, None]
-    return masks[types[0]] if len(masks) == 1 else masks
+        masks[kind] = _additive(allowed, dtype)
+    return masks
+
+
+def _slab_mask(jobs: Sequence[Job], contexts: Sequence[int], width_new: int, window: int | None,
+               dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """The additive mask of layers read from a :class:`~ensemble_core.slab.Slab` (``window``: sliding ones).
+
+    Row ``r``'s cached states sit at columns ``[0, c)`` (column = position) and its new
+    tokens right after them, at ``[c, c + N)``; everything past is another row's length or scratch.
+    """
+    allowed = torch.zeros(len(jobs), width_new, max(contexts) + width_new, dtype=torch.bool, device=device)
+    for r, (job, c) in enumerate(zip(jobs, contexts)):
+        n = len(job.ids)
+        q = job.positions.to(device)
+        k_pos = torch.arange(c, device=device)
+        ctx_ok = k_pos[None, :] <= q[:, None]
+        new_ok = job.block.to(device)
+        if window is not None:
+            ctx_ok = ctx_ok & ((q[:, None] - k_pos[None, :]) < window)
+            new_ok = new_ok & ((q[:, None] - q[None, :]) < window)
+        allowed[r, :n, :c] = ctx_ok
+        allowed[r, :n, c:c + n] = new_ok
+        pads = torch.arange(n, width_new, device=device)
+        allowed[r, pads, c + pads] = True
+    return _additive(allowed, dtype)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, N, K]`` booleans as the ``[B, 1, N, K]`` additive mask attention takes."""
+    fill = torch.finfo(dtype).min
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, fill)[:, None]
 
 
 #: Causal-LM classes whose head is exactly ``lm_head`` (+ the config's final logit soft-capping).
@@ -652,29 +697,64 @@ def _logits_rows(model: Any, jobs: Sequence[Job], ids: torch.Tensor, cache: Any,
     return [out.logits[r, [column[k] for k in job.keep]].float() for r, job in enumerate(jobs)]
 
 
-def batched_forward(model: Any, jobs: Sequence[Job],
-                    buffers: dict[Any, torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+def _slab_layers(slab: Slab | None, jobs: Sequence[Job], layouts: Sequence[_RowLayout],
+                 types: Sequence[str]) -> list[int]:
+    """The layers this pass keeps in ``slab`` ([] : gather them all).
+
+    Full-attention layers that append in place, when every row has some context and the
+    rows are distinct caches; sliding layers too while every row's holds its whole history.
+    """
+    if slab is None or len({id(j.cache) for j in jobs}) < len(jobs) or any(lay.context == 0 for lay in layouts):
+        return []
+    full = [idx for idx, kind in enumerate(types) if kind == "full_attention"]
+    sliding = [idx for idx, kind in enumerate(types) if kind == "sliding_attention"]
+    if not full or not all(type(job.cache.layers[idx]) is RoomyLayer for job in jobs for idx in full):
+        return []
+    whole = all(type(layer := job.cache.layers[idx]) is RoomySlidingLayer and layer.keys.shape[-2] == lay.context
+                for job, lay in zip(jobs, layouts) for idx in sliding)
+    return sorted(full + sliding) if whole else full
+
+
+def batched_forward(model: Any, jobs: Sequence[Job], buffers: dict[Any, torch.Tensor] | None = None,
+                    slab: Slab | None = None) -> list[torch.Tensor] | None:
     """One forward pass for all ``jobs`` of ``model``; None when a row's cache cannot be gathered exactly.
 
-    ``buffers``: where to keep the gathered cache between passes (see :func:`_buffer`); None allocates.
+    ``buffers``: where to keep the gathered cache between passes (see :func:`_buffer`); None
+    allocates. ``slab``: the model's :class:`~ensemble_core.slab.Slab`, where the rows'
+    full-attention states stay between passes (None: gather those layers too).
     """
     from transformers import DynamicCache
-
-    from .cache import RoomyLayer
 
     types = model_layer_types(model)
     window = _sliding_window(model)
     layouts = [_row_layout(job.cache, types, window) for job in jobs]
     if any(lay is None for lay in layouts):
         return None
-    layouts_ok: list[_RowLayout] = [lay for lay in layouts if lay is not None]
+    order = list(range(len(jobs)))
+    first = None
+    width_new = max(len(j.ids) for j in jobs)
+    kept = _slab_layers(slab, jobs, layouts, types)  # type: ignore[arg-type]
+    if kept:
+        assert slab is not None
+        order = slab.order([j.cache for j in jobs])
+        contexts = [layouts[i].context for i in order]  # type: ignore[union-attr]
+        first = slab.place([jobs[i].cache for i in order], kept, contexts, width_new)
+    jobs = [jobs[i] for i in order]
+    layouts_ok: list[_RowLayout] = [lay for lay in (layouts[i] for i in order) if lay is not None]
+    contexts = [lay.context for lay in layouts_ok]
+    in_slab = set(kept) if first is not None else set()
+    slab_kinds = {types[idx] for idx in in_slab}
+    gathered = [kind for kind in dict.fromkeys(types) if kind not in slab_kinds]
     device = model.device
     widths = {kind: max(lay.visible[kind] for lay in layouts_ok) for kind in dict.fromkeys(types)}
-    width_new = max(len(j.ids) for j in jobs)
     cache = DynamicCache()
     if any(widths.values()):
-        layers = []
+        layers: list[Any] = []
         for idx, kind in enumerate(types):
+            if idx in in_slab:
+                assert slab is not None and first is not None
+                layers.append(slab.pass_layer(idx, first, contexts, width_new))
+                continue
             counts = [lay.visible[kind] for lay in layouts_ok]
             tensors = {}
             for part in ("keys", "values"):
@@ -696,12 +776,23 @@ def batched_forward(model: Any, jobs: Sequence[Job],
         positions[r, :n] = pos
         positions[r, n:] = pos[-1] + 1 + torch.arange(width_new - n, device=device)
     dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-    mask = _masks(jobs, layouts_ok, types, widths, width_new, window, dtype, device)
+    masks = _masks(jobs, layouts_ok, gathered, widths, width_new, window, dtype, device)
+    for kind in slab_kinds:
+        masks[kind] = _slab_mask(jobs, contexts, width_new, window if kind == "sliding_attention" else None,
+                                 dtype, device)
+    mask: Any = masks[types[0]] if len(masks) == 1 else masks
     results = _logits_rows(model, jobs, ids, cache, mask, positions)
     for idx, kind in enumerate(types):  # scatter: each row's new states go to its own cache
+        if idx in in_slab:
+            continue
         layer = cache.layers[idx]
         k = widths[kind]
         for r, job in enumerate(jobs):
             n = len(job.ids)
             job.cache.update(layer.keys[r:r + 1, :, k:k + n], layer.values[r:r + 1, :, k:k + n], idx)
-    return results
+    if first is not None:  # the slab rows already hold their new states: only the lengths move
+        Slab.commit([job.cache for job in jobs], sorted(in_slab), contexts, [len(job.ids) for job in jobs])
+    back = [0] * len(order)
+    for r, i in enumerate(order):
+        back[i] = r
+    return [results[back[i]] for i in range(len(order))]

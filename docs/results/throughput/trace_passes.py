@@ -1,6 +1,8 @@
 """Where a batched run's time goes: every ``batched_forward`` call of ``Ensemble.batch`` timed.
 
-Run on a quiet machine: ``python docs/results/throughput/trace_passes.py [requests] [tokens] [threads]``.
+Run on a quiet machine: ``python docs/results/throughput/trace_passes.py [requests] [tokens] [threads] [gather]``
+(``gather``: every pass gathers the rows' caches, as before :mod:`ensemble_core.slab`; runs
+in both modes alternate with ``repeat`` as the fifth argument).
 The bench's single-model case (SmolLM2 through the bundled pair's ``single`` method, GSM8K
 prompts, zero-shot CoT): the wall time of the batch, split into its batched decode passes
 (one token per row), its batched prefill passes and the rest (the request threads' work
@@ -23,16 +25,25 @@ def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 64
     torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 2)
+    modes = ["slab", "gather"] if "repeat" in sys.argv[4:] else ["gather" if "gather" in sys.argv[4:] else "slab"]
+    rounds = 3 if "repeat" in sys.argv[4:] else 1
     members = [Member.load("smollm2-135m-instruct"), Member.load("gemma3-270m")]
     ensemble = Ensemble(members, method="single", max_new_tokens=tokens, stop=("\nQuestion:",))
     prompts = [cot_prompt(p.question) for p in load_dataset("gsm8k", n)]
     ensemble.generate("Warm up.", max_new_tokens=4)
+    for _ in range(rounds):
+        for mode in modes:
+            print(f"--- {mode}")
+            trace(ensemble, prompts, n, use_slab=mode == "slab")
+
+
+def trace(ensemble: Ensemble, prompts: list[str], n: int, use_slab: bool) -> None:
     calls: list[tuple[int, int, float]] = []  # rows, longest row, seconds
     plain = batching.batched_forward
 
-    def timed(model, jobs, buffers=None):  # noqa: ANN001, ANN202 - the wrapped function's own signature
+    def timed(model, jobs, buffers=None, slab=None):  # noqa: ANN001, ANN202 - the wrapped function's own signature
         t0 = time.perf_counter()
-        out = plain(model, jobs, buffers)
+        out = plain(model, jobs, buffers, slab if use_slab else None)
         calls.append((len(jobs), max(len(j.ids) for j in jobs), time.perf_counter() - t0))
         return out
 
