@@ -67,6 +67,7 @@ def test_batched_greedy_outputs_equal_unbatched(method: str, llama: Member, gemm
     stats = together.method.batcher.stats
     assert stats.batched_calls > 0 and stats.max_rows > 1
     assert stats.model_calls < total_rows_fed(got)
+    assert stats.slab_in_place > 0 and stats.slab_rebuilt > 0  # rows' caches stayed in the batch storage
 
 
 def run_threads(targets: list) -> None:

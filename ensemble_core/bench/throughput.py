@@ -98,7 +98,8 @@ def _members_for(method: str, members: list[Member]) -> list[Member]:
 
 
 def _stats_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    out = {k: after[k] - before[k] for k in ("model_calls", "batched_calls", "rows", "real_tokens", "padded_tokens")}
+    out = {k: after[k] - before[k] for k in ("model_calls", "batched_calls", "rows", "real_tokens", "padded_tokens",
+                                                  "slab_in_place", "slab_rebuilt")}
     out["per_member"] = {}
     for name, calls in after["calls_by_member"].items():
         calls -= before["calls_by_member"].get(name, 0)
