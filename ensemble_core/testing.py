@@ -58,6 +58,20 @@ def tiny_member(alias: str, seed: int = 0, name: str | None = None, **overrides:
     return Member(model, tokenizer, name=name or f"tiny-{alias}-{seed}")
 
 
+def feed_jobs(states: list[Any], feeds: list[list[int]]) -> list[Any]:
+    """Each state's feed as the :class:`~ensemble_core.batching.Job` ``DecodeState.score`` would submit.
+
+    The ids count as cached afterwards: the caller runs the jobs in one batched pass (tests
+    of :func:`~ensemble_core.batching.batched_forward` without a batcher).
+    """
+    jobs = []
+    for state, feed in zip(states, feeds):
+        state.ids.extend(feed)
+        jobs.append(state._job(state.ids[state.cached:], len(feed)))
+        state.cached = len(state.ids)
+    return jobs
+
+
 def random_ids(n: int, seed: int, lo: int = 200, hi: int = 5000) -> list[int]:
     """``n`` reproducible random token ids in ``[lo, hi)`` (ordinary tokens of every bundled vocabulary)."""
     return torch.randint(lo, hi, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

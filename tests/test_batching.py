@@ -18,7 +18,7 @@ import torch
 from ensemble_core import Ensemble, Member
 from ensemble_core.batching import Batcher, BatchingConfig, Job, batched_forward, batching_config, plan_groups
 from ensemble_core.errors import InvalidOptionError
-from ensemble_core.testing import random_ids, tiny_member
+from ensemble_core.testing import feed_jobs, random_ids, tiny_member
 
 PROMPTS = [
     "Hi",
@@ -189,11 +189,7 @@ def test_a_batched_pass_matches_the_rows_run_alone(alias: str) -> None:
     for step in range(3):
         feeds = [random_ids(k, 50 + k + step) for k in (1, 3, 1, 4)]
         want = [s.score(f)[1:] for s, f in zip(alone, feeds)]
-        jobs = []
-        for s, f in zip(batched, feeds):
-            s.ids.extend(f)
-            jobs.append(s._job(s.ids[s.cached:], len(f)))
-            s.cached = len(s.ids)
+        jobs = feed_jobs(batched, feeds)
         with torch.inference_mode():
             got = batched_forward(member.model, jobs, buffers if step else None)
         assert got is not None

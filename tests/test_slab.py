@@ -13,7 +13,7 @@ import torch
 from ensemble_core.batching import batched_forward
 from ensemble_core.members import DecodeState
 from ensemble_core.slab import Slab, room_for
-from ensemble_core.testing import random_ids, tiny_member
+from ensemble_core.testing import feed_jobs, random_ids, tiny_member
 
 
 def pairs(member, lengths: list[int]) -> tuple[list[DecodeState], list[DecodeState]]:
@@ -29,13 +29,8 @@ def pairs(member, lengths: list[int]) -> tuple[list[DecodeState], list[DecodeSta
 
 
 def batched_step(member, states: list[DecodeState], feeds: list[list[int]], slab: Slab) -> list[torch.Tensor]:
-    jobs = []
-    for s, f in zip(states, feeds):
-        s.ids.extend(f)
-        jobs.append(s._job(s.ids[s.cached:], len(f)))
-        s.cached = len(s.ids)
     with torch.inference_mode():
-        got = batched_forward(member.model, jobs, {}, slab)
+        got = batched_forward(member.model, feed_jobs(states, feeds), {}, slab)
     assert got is not None
     return got
 

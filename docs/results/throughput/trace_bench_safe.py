@@ -4,7 +4,8 @@ Run on a quiet machine: ``python docs/results/throughput/trace_bench_safe.py [in
 Runs ``measure_method("safe", ...)`` of ``ensemble bench --throughput`` at 8 concurrent
 GSM8K requests, 64 tokens, 2 threads, with the one-by-one baseline in a worker process (the
 CLI default) or in this process (``inline``), and prints the batch's wall time, the time its
-passes were busy, and how each flush started (whether every request had queued).
+passes were busy, how each flush started (whether every request had queued), and this
+process's page faults and context switches during the batch (``/proc/self``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ from ensemble_core.products import is_prepacked
 
 CALLS: list[tuple[float, float]] = []
 FLUSHES: list[tuple[bool, int]] = []
+COUNTERS: dict[str, int] = {}
+
+
+def _counters() -> dict[str, int]:
+    """Minor/major page faults (``/proc/self/stat``) and context switches (``/proc/self/status``)."""
+    fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    out = {"minor_faults": int(fields[7]), "major_faults": int(fields[9])}
+    for line in open("/proc/self/status"):
+        if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+            key, value = line.split(":")
+            out[key] = int(value)
+    return out
 
 
 def _instrument() -> None:
@@ -44,6 +57,16 @@ def _instrument() -> None:
         return taken
 
     batching.Batcher._run_group, batching.Batcher._ready = timed, counted  # type: ignore[method-assign]
+    batch = tp.Ensemble.batch
+
+    def counted_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = _counters()
+        try:
+            return batch(self, *args, **kwargs)
+        finally:
+            COUNTERS.update({k: v - before[k] for k, v in _counters().items()})
+
+    tp.Ensemble.batch = counted_batch  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -61,6 +84,7 @@ def main() -> None:
     print(f"{'inline' if inline else 'process'} baseline: batch {level['seconds']} s, passes busy {busy:.1f} s, "
           f"idle {level['seconds'] - busy:.1f} s, {len(CALLS)} passes, speed-up {level['speedup']}x")
     print("flushes (everyone queued, requests):", Counter(FLUSHES).most_common(8))
+    print("during the batch:", COUNTERS)
 
 
 if __name__ == "__main__":
