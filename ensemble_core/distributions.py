@@ -176,16 +176,37 @@ def _gc_paused() -> Iterator[None]:
 
 _TABLES: dict[tuple[int, int, tuple[int, ...]], tuple[Any, TokenTable]] = {}
 _TABLE_LOCK = threading.Lock()
+#: one lock per table being built: concurrent first requests wait for one build instead of each making it
+_BUILD_LOCKS: dict[tuple[int, int, tuple[int, ...]], threading.Lock] = {}
 
 
 def token_table(tokenizer: Any, size: int, eos_ids: Sequence[int]) -> TokenTable:
-    """The :class:`TokenTable` of a tokenizer (built once per process: ~0.3 s for 262k tokens)."""
+    """The :class:`TokenTable` of a tokenizer (built once per process: ~0.3 s for 262k tokens).
+
+    Built by one thread only: eight concurrent first requests of a batched SAFE run each
+    built Gemma-3's and SmolLM2's tables at once under the GIL, ~8 s of a 30-40 s batch
+    (py-spy, ``docs/benchmarks.md``).
+    """
     eos = tuple(sorted(int(i) for i in eos_ids if 0 <= int(i) < size))
     cache_key = (id(tokenizer), size, eos)
     with _TABLE_LOCK:
         hit = _TABLES.get(cache_key)
         if hit is not None and hit[0] is tokenizer:
             return hit[1]
+        build_lock = _BUILD_LOCKS.setdefault(cache_key, threading.Lock())
+    with build_lock:
+        with _TABLE_LOCK:
+            hit = _TABLES.get(cache_key)
+            if hit is not None and hit[0] is tokenizer:
+                return hit[1]
+        table = _build_table(tokenizer, size, eos)
+        with _TABLE_LOCK:
+            _TABLES[cache_key] = (tokenizer, table)  # the tokenizer is kept so its id is not reused
+            _BUILD_LOCKS.pop(cache_key, None)
+    return table
+
+
+def _build_table(tokenizer: Any, size: int, eos: tuple[int, ...]) -> TokenTable:
     with _gc_paused():
         keys = token_bytes(tokenizer, range(size))
         for i in eos:
@@ -199,10 +220,7 @@ def token_table(tokenizer: Any, size: int, eos_ids: Sequence[int]) -> TokenTable
     selectable[torch.tensor(ok, dtype=torch.long)] = True
     if eos:
         selectable[list(eos)] = True
-    table = TokenTable(tuple(keys), ids_of, eos, selectable)
-    with _TABLE_LOCK:
-        _TABLES[cache_key] = (tokenizer, table)  # the tokenizer is kept so its id is not reused
-    return table
+    return TokenTable(tuple(keys), ids_of, eos, selectable)
 
 
 def member_table(member: Any) -> TokenTable:

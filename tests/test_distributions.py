@@ -226,3 +226,38 @@ def test_sharpening_only_when_the_fused_maximum_is_below_one_half() -> None:
     assert float(sharpen(hand_made([b"So", b"Sofia"], [0.3, 0.3]), "heuristic").sum()) == pytest.approx(1.0)
     with pytest.raises(InvalidOptionError):
         sharpen(c, "arithmetic")
+
+
+def test_concurrent_first_requests_build_a_token_table_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight threads asking for the same new table at once: one builds it, the others wait for it
+    (they each built Gemma-3's 262k-token table under the GIL in a batched SAFE run)."""
+    import threading
+
+    from ensemble_core import distributions
+    from ensemble_core.testing import bundled_tokenizer
+
+    tokenizer = bundled_tokenizer("smollm2-135m-instruct")
+    size = len(tokenizer) + 11  # a size no other test asks for: a table not built yet
+    built = []
+    build = distributions._build_table
+
+    def counted(*args: object) -> distributions.TokenTable:
+        built.append(threading.get_ident())
+        return build(*args)
+
+    monkeypatch.setattr(distributions, "_build_table", counted)
+    start = threading.Barrier(8)
+    tables: list[distributions.TokenTable] = []
+
+    def ask() -> None:
+        start.wait()
+        tables.append(distributions.token_table(tokenizer, size, [2]))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(tables) == 8 and all(t is tables[0] for t in tables)
+    assert len(built) == 1
+    assert tables[0].size == size and tables[0].keys[len(tokenizer):] == (None,) * 11

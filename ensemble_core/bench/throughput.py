@@ -40,6 +40,7 @@ import torch
 
 from ..batching import BatchingConfig
 from ..datasets import cot_prompt, load_dataset
+from ..distributions import member_table
 from ..ensemble import Ensemble, resolve_members
 from ..errors import EnsembleError, InvalidOptionError
 from ..members import Member, MemberSpec, per_member_options
@@ -129,8 +130,13 @@ def output_differences(batched: list[str], alone: list[str]) -> list[dict[str, i
 
 
 def _warm_up(ensemble: Ensemble) -> None:
-    """One short request, so that neither side's first timed request pays for lazy set-up."""
+    """One short request and the members' token tables, so that neither side's first timed request pays
+    for lazy set-up (a short request need not reach the first point where members disagree, which
+    builds the tables: the batched side then built them inside its timed run)."""
     ensemble.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
+    if len(ensemble.members) > 1:
+        for member in ensemble.members:
+            member_table(member)
 
 
 def _one_by_one(ensemble: Ensemble, prompts: list[Any]) -> list[Timed]:
