@@ -73,6 +73,23 @@ def remote_pair(cluster: Cluster) -> list[RemoteMember]:
     ensemble.close()
 
 
+def held(members: list[RemoteMember], tries: int = 10) -> list[int]:
+    """States the actors hold once every state dropped here has been freed: ``tries`` looks at most.
+
+    A finished request's states are freed by finalizers when its last local reference goes;
+    in 2 of 3 full-suite runs on the loaded 2-core machine (2026-12-03) one request's pair of
+    states was still alive at the first look right after ``generate`` returned (never when
+    this file runs alone; not root-caused). A leak still fails: it never reaches 0.
+    """
+    for _ in range(tries):
+        counts = [m.held_states() for m in members]
+        if not any(counts):
+            break
+        gc.collect()
+        time.sleep(0.2)
+    return counts
+
+
 def test_members_sit_on_their_nodes(remote_pair: list[RemoteMember]) -> None:
     nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     for member, resource in zip(remote_pair, NODES):
@@ -89,7 +106,7 @@ def test_greedy_outputs_identical_to_local(remote_pair: list[RemoteMember], case
     config = {k: v for k, v in config.items() if k != "parallel"}  # members on two nodes: run them in parallel
     got = [record.run_case(remote_pair, method, idx, config, p) for p in record.PROMPTS]
     assert got == RECORDED["cases"][name]
-    assert [m.held_states() for m in remote_pair] == [0, 0]
+    assert held(remote_pair) == [0, 0]
 
 
 def test_streaming_and_adapters(real_pair: list[Member], remote_pair: list[RemoteMember]) -> None:
@@ -107,7 +124,7 @@ def test_streaming_and_adapters(real_pair: list[Member], remote_pair: list[Remot
     assert "".join(c.content for c in chat.stream(prompt)) == expected
     llms = [EnsembleLLM(members=list(pair), method="safe", max_new_tokens=TOKENS) for pair in (real_pair, remote_pair)]
     assert llms[1].complete(PROMPTS[0]).text == llms[0].complete(PROMPTS[0]).text
-    assert [m.held_states() for m in remote_pair] == [0, 0]
+    assert held(remote_pair) == [0, 0]
 
 
 def test_backend_option_and_errors(real_pair: list[Member], remote_pair: list[RemoteMember]) -> None:
@@ -119,7 +136,7 @@ def test_backend_option_and_errors(real_pair: list[Member], remote_pair: list[Re
     # the same placement is shared (like local weights); close() gives one share back
     with Ensemble([RayMemberSpec(MEMBERS[0], resources={NODES[0]: 1})], method="single", ray_options=OPTIONS) as e:
         assert e.members[0].link is remote_pair[0].link
-    assert remote_pair[0].held_states() == 0  # still alive: the fixture's share remains
+    assert held(remote_pair[:1]) == [0]  # still alive: the fixture's share remains
 
 
 def _fail_mid_generation(ensemble: Ensemble, victim: RemoteMember) -> tuple[str, str, str, float]:
@@ -154,12 +171,12 @@ def test_actor_killed_mid_generation_raises_then_recovers(real_pair: list[Member
     assert member == MEMBERS[1] and node == remote_pair[1].link.node
     assert "Retry" in message
     gc.collect()  # the failed request's frames are gone: its surviving member's state is freed
-    assert remote_pair[0].held_states() == 0
+    assert held(remote_pair[:1]) == [0]
     t0 = time.perf_counter()
     again = ensemble.generate(PROMPTS[0])  # waits for the restarted actor (it reloads its model)
     print(f"next request after the restart: {time.perf_counter() - t0:.2f} s")
     assert again.text == Ensemble(real_pair, method="safe", max_new_tokens=TOKENS).generate(PROMPTS[0]).text
-    assert [m.held_states() for m in remote_pair] == [0, 0]
+    assert held(remote_pair) == [0, 0]
 
 
 def test_no_state_leaks_over_100_requests(remote_pair: list[RemoteMember]) -> None:
@@ -175,7 +192,7 @@ def test_no_state_leaks_over_100_requests(remote_pair: list[RemoteMember]) -> No
             del stream
         else:
             ensemble.generate(prompt)
-        assert [m.held_states() for m in remote_pair] == [0, 0], f"request {i}"
+        assert held(remote_pair) == [0, 0], f"request {i}"
     after = [m.actor_rss() for m in remote_pair]
     for m, b, a in zip(remote_pair, before, after):
         print(f"\n{m.name}: actor RSS {b / 2**20:.1f} MiB before, {a / 2**20:.1f} MiB after 100 requests")
