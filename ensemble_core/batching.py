@@ -292,8 +292,17 @@ class Batcher:
             self._participants[id(participant)] = participant
 
     def leave(self, participant: Participant) -> None:
-        """The request is finished (or abandoned)."""
+        """The request is finished (or abandoned); the last one to leave frees the batch KV memory.
+
+        The slabs and gather buffers hold up to ``max_batch_rows`` rows of every layer's keys
+        and values; with nobody left they only pin finished requests' memory. A paused stream
+        whose row lived in a slab keeps its own views of it.
+        """
         self.pause(participant)
+        with self._cond:
+            if not self._participants and not self._flushing and not any(q for _, q in self._queues.values()):
+                self._slabs.clear()
+                self._buffers.clear()
 
     @contextmanager
     def threads(self, participant: Participant, count: int) -> Iterator[Callable[[], None]]:
@@ -612,25 +621,16 @@ def _padded(tensors: Sequence[torch.Tensor | None], counts: Sequence[int], width
 
 def _masks(jobs: Sequence[Job], layouts: Sequence[_RowLayout], kinds: Sequence[str], widths: dict[str, int],
            width_new: int, window: int | None, dtype: torch.dtype, device: Any) -> dict[str, torch.Tensor]:
-    """An additive ``[B, 1, N, K + N]`` mask per gathered layer type (new tokens at columns ``K ..``)."""
+    """An additive ``[B, 1, N, K + N]`` mask per gathered layer type (cached states right-aligned in ``[0, K)``,
+    new tokens at columns ``K ..``)."""
     masks: dict[str, torch.Tensor] = {}
     for kind in kinds:
         k = widths[kind]
         allowed = torch.zeros(len(jobs), width_new, k + width_new, dtype=torch.bool, device=device)
         for r, (job, lay) in enumerate(zip(jobs, layouts)):
-            n, v = len(job.ids), lay.visible[kind]
-            q = job.positions.to(device)
-            k_pos = lay.context - v + torch.arange(v, device=device)
-            ctx_ok = k_pos[None, :] <= q[:, None]
-            new_ok = job.block.to(device)
-            if kind == "sliding_attention":
-                assert window is not None
-                ctx_ok = ctx_ok & ((q[:, None] - k_pos[None, :]) < window)
-                new_ok = new_ok & ((q[:, None] - q[None, :]) < window)
-            allowed[r, :n, k - v:k] = ctx_ok
-            allowed[r, :n, k:k + n] = new_ok
-            pads = torch.arange(n, width_new, device=device)
-            allowed[r, pads, k + pads] = True  # padding queries see themselves (no all-masked row)
+            v = lay.visible[kind]
+            _allow_row(allowed[r], job, lay.context - v, k - v, v, k,
+                       window if kind == "sliding_attention" else None)
         masks[kind] = _additive(allowed, dtype)
     return masks
 
@@ -644,19 +644,28 @@ def _slab_mask(jobs: Sequence[Job], contexts: Sequence[int], width_new: int, win
     """
     allowed = torch.zeros(len(jobs), width_new, max(contexts) + width_new, dtype=torch.bool, device=device)
     for r, (job, c) in enumerate(zip(jobs, contexts)):
-        n = len(job.ids)
-        q = job.positions.to(device)
-        k_pos = torch.arange(c, device=device)
-        ctx_ok = k_pos[None, :] <= q[:, None]
-        new_ok = job.block.to(device)
-        if window is not None:
-            ctx_ok = ctx_ok & ((q[:, None] - k_pos[None, :]) < window)
-            new_ok = new_ok & ((q[:, None] - q[None, :]) < window)
-        allowed[r, :n, :c] = ctx_ok
-        allowed[r, :n, c:c + n] = new_ok
-        pads = torch.arange(n, width_new, device=device)
-        allowed[r, pads, c + pads] = True
+        _allow_row(allowed[r], job, 0, 0, c, c, window)
     return _additive(allowed, dtype)
+
+
+def _allow_row(allowed: torch.Tensor, job: Job, first_pos: int, ctx_col: int, visible: int, new_col: int,
+               window: int | None) -> None:
+    """Fill one row's ``[N, K]`` visibility: ``visible`` cached keys (positions from ``first_pos``) at
+    columns ``ctx_col ..``, the job's new tokens at ``new_col ..`` (its ``block``), causal by position
+    and within ``window`` (sliding layers); padding queries see themselves (no all-masked row)."""
+    device = allowed.device
+    n, width_new = len(job.ids), allowed.shape[0]
+    q = job.positions.to(device)
+    k_pos = first_pos + torch.arange(visible, device=device)
+    ctx_ok = k_pos[None, :] <= q[:, None]
+    new_ok = job.block.to(device)
+    if window is not None:
+        ctx_ok = ctx_ok & ((q[:, None] - k_pos[None, :]) < window)
+        new_ok = new_ok & ((q[:, None] - q[None, :]) < window)
+    allowed[:n, ctx_col:ctx_col + visible] = ctx_ok
+    allowed[:n, new_col:new_col + n] = new_ok
+    pads = torch.arange(n, width_new, device=device)
+    allowed[pads, new_col + pads] = True
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -48,11 +48,10 @@ def room_for(need: int) -> int:
 @dataclass
 class SlabStats:
     """Passes that used the slab as it stood (``in_place``), that copied rows into a new one
-    (``rebuilt``, ``rows_copied`` rows in all) or that gathered the rows around a live row sitting out."""
+    (``rebuilt``) or that gathered the rows around a live row sitting out (``gathered``)."""
 
     in_place: int = 0
     rebuilt: int = 0
-    rows_copied: int = 0
     gathered: int = 0
 
 
@@ -131,7 +130,6 @@ class Slab:
         self.keys, self.values, self.capacity = keys, values, capacity
         self.owners = [weakref.ref(c) for c in caches]
         self.stats.rebuilt += 1
-        self.stats.rows_copied += rows
 
     # ---------------------------------------------------------------- a pass
     def pass_layer(self, idx: int, first: int, lengths: Sequence[int], width_new: int) -> SlabPassLayer:

@@ -68,6 +68,8 @@ def test_batched_greedy_outputs_equal_unbatched(method: str, llama: Member, gemm
     assert stats.batched_calls > 0 and stats.max_rows > 1
     assert stats.model_calls < total_rows_fed(got)
     assert stats.slab_in_place > 0 and stats.slab_rebuilt > 0  # rows' caches stayed in the batch storage
+    batcher = together.method.batcher
+    assert len(batcher._slabs) == 0 and len(batcher._buffers) == 0  # the last request to leave freed them
 
 
 def run_threads(targets: list) -> None:
