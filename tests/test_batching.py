@@ -380,12 +380,13 @@ def test_throughput_report_and_targets() -> None:
                "per_member": {"m": {"calls": 4, "rows": 32, "rows_per_call": 8.0, "ms_per_call": 90.0}}}
     level = {"requests": 8, "tokens": 64, "seconds": 2.0, "tokens_per_s": 32.0, "sequential_tokens_per_s": 8.0,
              "speedup": 4.0, "mean_latency_s": 2.0, "sequential_mean_latency_s": 1.0, "baseline_requests": 8,
-             "identical_outputs": 8, "batcher": batcher}
+             "identical_outputs": 8, "batcher": batcher, "cpu_steal": {"batched": 0.02, "one_by_one": 0.31}}
     results = {"single": {"members": ["m"], "levels": {"8": level}}}
     targets = evaluate_throughput_targets(results, 8)
     status = {t["id"]: t["status"] for t in targets}
     assert status["batching_single_x8"] == "met" and status["batching_safe_x8"] == "not evaluated"
-    assert "| single | 8 | 32.00 | 8.00 | 4.00x" in markdown({"results": results, "targets": targets})
+    table = markdown({"results": results, "targets": targets})
+    assert "| single | 8 | 32.00 | 8.00 | 4.00x" in table and "| 2% / 31% |" in table
     assert any("throughput" in t.value for t in load_targets())
     ordinary = evaluate_targets({}, {}, None)  # the per-question bench leaves throughput targets to --throughput
     assert not [t for t in ordinary if t["id"].startswith("batching")]
@@ -409,6 +410,7 @@ def test_each_throughput_level_brackets_its_own_baseline(llama: Member, monkeypa
     assert (one["baseline_requests"], four["baseline_requests"]) == (1, 2)
     assert (one["identical_outputs"], four["identical_outputs"]) == (1, 2) and four["tokens"] > 0
     assert four["batcher"]["rows"] > 0 and four["speedup"] is not None
+    assert all(0.0 <= v <= 1.0 for v in four["cpu_steal"].values())  # both sides' share, from /proc/stat
 
 
 def test_throughput_baseline_runs_in_its_own_process(llama: Member, tmp_path) -> None:

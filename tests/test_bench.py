@@ -183,6 +183,17 @@ def test_record_helpers() -> None:
     assert cut_at_stop("abc", ["\nUser:"]) == ("abc", False)
 
 
+def test_steal_share_of_spans() -> None:
+    """The hypervisor's share of the CPU over one or several (before, after) spans of /proc/stat ticks."""
+    from ensemble_core.bench.report import cpu_ticks, steal_share
+
+    assert steal_share(((10, 100), (15, 200))) == 0.05
+    assert steal_share(((0, 0), (5, 100)), ((5, 300), (35, 400))) == 0.175  # 35 of 200 ticks
+    assert steal_share(((10, 100), None)) is None and steal_share(((10, 100), (10, 100))) is None
+    now = cpu_ticks()  # Linux (CI and here): the first line of /proc/stat
+    assert now is not None and 0 <= now[0] <= now[1]
+
+
 def test_text_stop_criterion_sees_only_the_response(tiny_gemma) -> None:
     tok = tiny_gemma.tokenizer
     prompt = tok("Question: what?\nAnswer:", add_special_tokens=False)["input_ids"]
@@ -247,6 +258,9 @@ def test_run_bench_writes_every_artefact_on_tiny_members(tiny_llama, tiny_gemma,
     assert summary["meta"]["layouts"] == ["float32+prepacked"] * 2
     assert f"{tiny_llama.name} (float32+prepacked)" in md
     assert summary["microbench"]["speedup_4"] > 0
+    # each timed run says how much of the CPU the hypervisor took meanwhile (Linux: /proc/stat)
+    assert all(0.0 <= r["cpu_steal"] <= 1.0 for r in records)
+    assert summary["meta"]["cpu_steal"]["records"] == len(records) and "CPU stolen by the hypervisor" in md
     # --resume runs nothing twice
     again = run_bench(BenchOptions(**{**options.__dict__, "resume": True, "microbench": False}),
                       members=[tiny_llama, tiny_gemma])

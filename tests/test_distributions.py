@@ -228,6 +228,31 @@ def test_sharpening_only_when_the_fused_maximum_is_below_one_half() -> None:
         sharpen(c, "arithmetic")
 
 
+def test_warm_up_builds_the_token_tables_the_first_request_would(monkeypatch: pytest.MonkeyPatch,
+                                                                    tiny_llama: Member, tiny_gemma: Member) -> None:
+    """``Ensemble.warm_up`` (called by ``ensemble serve`` and ``ensemble bench`` after loading) builds every
+    member's table, so a request that reaches a point where the members disagree builds none."""
+    from ensemble_core import Ensemble, distributions
+
+    monkeypatch.setattr(distributions, "_TABLES", {})  # as in a fresh process
+    built: list[int] = []
+    build = distributions._build_table
+
+    def counted(tokenizer: object, size: int, eos: tuple[int, ...]) -> distributions.TokenTable:
+        built.append(size)
+        return build(tokenizer, size, eos)
+
+    monkeypatch.setattr(distributions, "_build_table", counted)
+    Ensemble([tiny_llama, tiny_gemma], method="single").warm_up()
+    assert built == []  # one member answers: nothing to map
+    ensemble = Ensemble([tiny_llama, tiny_gemma], method="safe", max_new_tokens=12)
+    ensemble.warm_up()
+    assert sorted(built) == sorted([tiny_llama.vocab_size, tiny_gemma.vocab_size])
+    result = ensemble.generate("Tell me a story about a dragon.")
+    assert result.stats["ensembled"] > 0, result.stats  # random members disagree: the tables were used
+    assert len(built) == 2
+
+
 def test_concurrent_first_requests_build_a_token_table_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Eight threads asking for the same new table at once: one builds it, the others wait for it
     (they each built Gemma-3's 262k-token table under the GIL in a batched SAFE run)."""

@@ -45,6 +45,39 @@ def hardware() -> dict[str, Any]:
     return info
 
 
+CpuTicks = tuple[int, int]  # (stolen, total) CPU ticks of the whole machine since boot
+
+
+def cpu_ticks() -> CpuTicks | None:
+    """The machine's stolen and total CPU ticks so far, from ``/proc/stat``; None where there is none.
+
+    Why: on a virtual machine the hypervisor may run other guests on our cores ("steal" time).
+    Wall-clock timings cannot see it (``top`` showed 50 % steal in a sample taken during a
+    batched level that ran 3x slower than the same level a day earlier); every timed part of
+    a benchmark records its share (:func:`steal_share`) so that a run says whether its
+    machine was its own.
+    """
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            fields = fh.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return ticks[7], sum(ticks)
+
+
+def steal_share(*spans: tuple[CpuTicks | None, CpuTicks | None]) -> float | None:
+    """The share of all CPU ticks in the ``(before, after)`` spans that the hypervisor took (0-1)."""
+    stolen = total = 0
+    for before, after in spans:
+        if before is None or after is None:
+            return None
+        stolen, total = stolen + after[0] - before[0], total + after[1] - before[1]
+    return round(stolen / total, 4) if total > 0 else None
+
+
 def member_layouts(members: Sequence[Any]) -> list[str]:
     """Each member's parameter dtype, with ``+prepacked`` when its products read prepacked weights
     (``ensemble_core.products``): recorded with every run, since both change a member's speed."""
@@ -68,6 +101,14 @@ def _members_note(meta: dict[str, Any]) -> str:
     return ", ".join(name + (f" ({lay})" if lay else "") for name, lay in zip(meta["members"], layouts))
 
 
+def _steal_note(steal: dict[str, Any] | None) -> list[str]:
+    """The summary's line on the hypervisor's share of the CPU during the timed runs (none for older records)."""
+    if not steal:
+        return []
+    return [f"- CPU stolen by the hypervisor while the {steal['records']} timed runs ran: mean {steal['mean']:.1%}, "
+            f"most in one run {steal['max']:.1%} (a timing with a large share measured a busier machine)"]
+
+
 def write_markdown(path: Path, summary: dict[str, Any]) -> None:
     meta = summary["meta"]
     lines = [f"# Benchmark: {meta['dataset']} ({meta['questions']} questions)", "",
@@ -76,7 +117,8 @@ def write_markdown(path: Path, summary: dict[str, Any]) -> None:
              f"- hardware: {meta['hardware']['platform']}, {meta['hardware']['cpu_count']} CPUs "
              f"({meta['hardware']['torch_threads']} torch threads), torch {meta['hardware']['torch']}"
              + _cpu_note(meta['hardware'])
-             + (f", GPUs: {', '.join(meta['hardware']['gpus'])}" if meta['hardware'].get('gpus') else ""), "",
+             + (f", GPUs: {', '.join(meta['hardware']['gpus'])}" if meta['hardware'].get('gpus') else ""),
+             *_steal_note(meta.get("cpu_steal")), "",
              "| method | n | accuracy | mean latency s | tokens/s | s/100 chars | TTFT/TTFS s | E/T | x own drafter "
              "| x fast member | x slow member | corrupted | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ from ..members import Member, per_member_options
 from ..stats import MemberStats, RequestStats
 from .microbench import verify_microbench
 from .records import RESULTS_FILE, error_record, jsonable, make_record, summarize_rows
-from .report import hardware, member_layouts, write_markdown, write_plots
+from .report import cpu_ticks, hardware, member_layouts, steal_share, write_markdown, write_plots
 from .targets import evaluate_targets
 
 ALL_METHODS = ("single", "every-token", "safe", "specem", "generate-then-select")
@@ -348,10 +349,13 @@ def _load_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _warm_up(rows: list[Row]) -> None:
-    """One tiny generation per row, so one-time costs (kernels, allocator) stay out of the timings."""
+    """One tiny generation per row and the ensembles' token tables, so one-time costs (kernels, allocator,
+    tables) stay out of the timings (a 4-token answer need not reach a point where the members disagree)."""
     for row in rows:
         if row.runner is None:
             continue
+        if isinstance(row.runner, EnsembleRunner):
+            row.runner.ensemble.warm_up()
         try:
             row.runner.run([{"role": "user", "content": "What is 2 + 3?"}], 4)
         except Exception as exc:  # noqa: BLE001 - a broken method is reported per question below
@@ -399,8 +403,10 @@ def run_bench(options: BenchOptions, members: list[Member] | None = None) -> dic
                 if (row.label, problem.id) in done:
                     bar.update(1)
                     continue
+                ticks = cpu_ticks()
                 try:
                     record = make_record(row, problem, row.runner.run(prompt, options.max_new_tokens))
+                    record["cpu_steal"] = steal_share((ticks, cpu_ticks()))
                 except Exception as exc:  # noqa: BLE001 - recorded, counted and shown in the summary
                     record = error_record(row, problem, exc)
                 fh.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -419,8 +425,11 @@ def run_bench(options: BenchOptions, members: list[Member] | None = None) -> dic
     micro = None
     if options.microbench and ("specem" in options.methods):
         micro = verify_microbench(members, reps=options.microbench_reps)
+    stolen = [r["cpu_steal"] for r in records if r.get("cpu_steal") is not None]
     summary = {
         "meta": {"dataset": options.dataset, "questions": len(problems), "offset": options.offset,
+                 "cpu_steal": {"mean": round(statistics.fmean(stolen), 4), "max": max(stolen),
+                               "records": len(stolen)} if stolen else None,
                  "members": [m.name for m in members], "layouts": member_layouts(members),
                  "max_new_tokens": options.max_new_tokens, "shots": n_shots,
                  "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -40,13 +40,12 @@ import torch
 
 from ..batching import BatchingConfig
 from ..datasets import cot_prompt, load_dataset
-from ..distributions import member_table
 from ..ensemble import Ensemble, resolve_members
 from ..errors import EnsembleError, InvalidOptionError
 from ..members import Member, MemberSpec, per_member_options
 from ..products import is_prepacked
 from .records import jsonable
-from .report import hardware, member_layouts
+from .report import cpu_ticks, hardware, member_layouts, steal_share
 from .targets import load_targets
 
 THROUGHPUT_METHODS = ("single", "safe", "specem")
@@ -134,9 +133,7 @@ def _warm_up(ensemble: Ensemble) -> None:
     for lazy set-up (a short request need not reach the first point where members disagree, which
     builds the tables: the batched side then built them inside its timed run)."""
     ensemble.generate([{"role": "user", "content": "What is 2 + 3?"}], max_new_tokens=4)
-    if len(ensemble.members) > 1:
-        for member in ensemble.members:
-            member_table(member)
+    ensemble.warm_up()
 
 
 def _one_by_one(ensemble: Ensemble, prompts: list[Any]) -> list[Timed]:
@@ -259,7 +256,9 @@ def _measure_levels(method: str, ms: list[Member], prompts: list[Any], options: 
     for c in options.concurrency:
         baseline = prompts[:min(c, options.sequential_requests or c)]
         half = (len(baseline) + 1) // 2
+        ticks = [cpu_ticks()]
         seq = alone.run(baseline[:half])
+        ticks.append(cpu_ticks())
         batcher = together.method.batcher
         assert batcher is not None
         before = batcher.stats.as_dict()
@@ -267,7 +266,9 @@ def _measure_levels(method: str, ms: list[Member], prompts: list[Any], options: 
         results = together.batch(prompts[:c])
         wall = time.perf_counter() - t0
         after = batcher.stats.as_dict()
+        ticks.append(cpu_ticks())
         seq += alone.run(baseline[half:])
+        ticks.append(cpu_ticks())
         seq_tokens, seq_seconds = sum(t for t, _, _ in seq), sum(s for _, s, _ in seq)
         tokens = sum(r.completion_tokens for r in results)
         batched_rate = tokens / wall if wall else 0.0
@@ -281,6 +282,8 @@ def _measure_levels(method: str, ms: list[Member], prompts: list[Any], options: 
             "identical_outputs": sum(r.text == s[2] for r, s in zip(results, seq)),
             "differences": output_differences([r.text for r in results], [s[2] for s in seq]),
             "batcher": _stats_delta(after, before),
+            "cpu_steal": {"batched": steal_share((ticks[1], ticks[2])),
+                          "one_by_one": steal_share((ticks[0], ticks[1]), (ticks[2], ticks[3]))},
         }
         print(f"{method} x{c}: {batched_rate:.2f} tok/s batched vs {seq_rate:.2f} alone "
               f"({levels[str(c)]['speedup']}x)", file=sys.stderr, flush=True)
@@ -316,11 +319,18 @@ def _parted(differences: list[dict[str, int]] | None) -> str:
     return " (parted at chars " + ", ".join(f"{d['common_chars']}/{d['chars']}" for d in differences) + ")"
 
 
+def _stolen(steal: dict[str, float | None] | None) -> str:
+    """``"2 % / 31 %"``: the hypervisor's share of the CPU while each side ran (– where unknown)."""
+    if not steal:
+        return "–"
+    return " / ".join("–" if v is None else f"{v:.0%}" for v in (steal.get("batched"), steal.get("one_by_one")))
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """The throughput table, the latency cost, the per-member pass costs and the targets."""
     lines = ["| method | concurrent | tok/s batched | tok/s one by one | speed-up | mean latency batched / alone (s) "
-             "| model calls / rows | ms per call (per member) | identical outputs |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| model calls / rows | ms per call (per member) | identical outputs | CPU stolen batched / alone |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for method, res in summary["results"].items():
         for c, lv in res["levels"].items():
             b = lv["batcher"]
@@ -332,7 +342,7 @@ def markdown(summary: dict[str, Any]) -> str:
                          f"| {speedup} | {lv['mean_latency_s']:.1f} / {lv['sequential_mean_latency_s']:.1f} "
                          f"| {b['model_calls']} / {b['rows']} | {per} "
                          f"| {lv['identical_outputs']}/{min(lv['requests'], lv['baseline_requests'])}"
-                         f"{_parted(lv.get('differences'))} |")
+                         f"{_parted(lv.get('differences'))} | {_stolen(lv.get('cpu_steal'))} |")
     lines += ["", "| target | value | status |", "|---|---:|---|"]
     for t in summary["targets"]:
         value = "–" if t["value"] is None else f"{t['value']:.2f}"

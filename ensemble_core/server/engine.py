@@ -161,7 +161,9 @@ class LoadingState:
     def load(self, build: Any, timeout: float | None) -> None:
         t0 = time.perf_counter()
         try:
-            self.engine = Engine(build(), timeout)
+            ensemble = build()
+            ensemble.warm_up()  # the first requests would each wait for the members' token tables
+            self.engine = Engine(ensemble, timeout)
             self.load_seconds = time.perf_counter() - t0
             log.info("Ready: %s (loaded in %.1f s)", self.engine.ensemble.name, self.load_seconds)
         except BaseException as exc:  # reported by /health; the command exits
