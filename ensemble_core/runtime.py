@@ -353,6 +353,10 @@ class Run:
                 self.cancel()
 
         def work() -> None:
+            # this thread hands each delta to the queue and goes on: the request stays active for the
+            # batcher (a pause per delta let passes start without it: the server's eight concurrent SAFE
+            # requests ran 4.3 rows per pass instead of Ensemble.batch's 6.6)
+            self.stream.drained = True
             try:
                 for delta in self:
                     post("delta", delta)

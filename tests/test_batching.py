@@ -9,6 +9,7 @@ Forward passes are counted, never timed.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -285,6 +286,17 @@ def test_generate_keeps_its_request_active_between_deltas(llama: Member) -> None
     deltas = list(ens.stream(PROMPTS[1]))
     assert paused_by_generate == 1  # only ``leave`` at the end
     assert len(pauses) - paused_by_generate == len(deltas) + 1
+    # the async paths (the server, the adapters' ainvoke/astream) produce deltas in a worker thread that
+    # queues them and goes on: they are never paused either
+    from ensemble_core.runtime import Run
+
+    async def consume() -> tuple[str, str]:
+        streamed = "".join([d async for d in Run(ens, PROMPTS[1]).astream()])
+        return streamed, (await Run(ens, PROMPTS[1]).arun()).text
+
+    before = len(pauses)
+    streamed, whole = asyncio.run(consume())
+    assert streamed == whole == "".join(deltas) and len(pauses) - before == 2  # one ``leave`` each
 
 
 def test_rows_left_queued_do_not_poll_while_a_pass_runs() -> None:

@@ -424,6 +424,8 @@ def test_load_32_concurrent_streams_with_5_disconnects(server: ServerProcess) ->
     assert all(not s["done"] and s["text"] for s in left)
     after = wait_for_counts(server, before, disconnects=5, cancelled=5, completed=32, started=37)
     assert after["active"] == 0 and after["failed"] == before["failed"] and after["timed_out"] == before["timed_out"]
+    batching = server.health()["batching"]  # the streams shared passes: some held several requests' rows
+    assert batching["batched_calls"] > 0 and batching["max_rows"] > 1 and batching["rows"] > batching["model_calls"]
     latencies = [s["seconds"] for s in stayed]
     firsts = [s["first"] for s in stayed]
     tokens = sum(s["usage"]["completion_tokens"] for s in stayed)

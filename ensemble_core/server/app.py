@@ -505,6 +505,13 @@ async def events(generation: Generation, deltas: AsyncIterator[str], first: str 
         generation.cancel()
 
 
+def batching_counters(ensemble: Ensemble) -> dict[str, Any] | None:
+    """The batcher's counters since start (None with batching off): how many rows a pass served is
+    what says whether concurrent requests share their passes (``rows / batched_calls``)."""
+    batcher = getattr(ensemble.method, "batcher", None)
+    return None if batcher is None else batcher.stats.as_dict()
+
+
 # ----------------------------------------------------------------------------- the app
 def create_app(ensemble: Ensemble | None = None, *, load: Callable[[], Ensemble] | None = None,
                served_model_names: Sequence[str] = (), api_key: str | None = None,
@@ -598,7 +605,7 @@ def create_app(ensemble: Ensemble | None = None, *, load: Callable[[], Ensemble]
                              "method": engine.ensemble.method_name, "members": [m.name for m in engine.ensemble.members],
                              "features": sorted(engine.core_features),
                              "load_seconds": state.load_seconds, "uptime_seconds": round(time.time() - state.started_at, 3),
-                             "requests": engine.snapshot()})
+                             "requests": engine.snapshot(), "batching": batching_counters(engine.ensemble)})
 
     @app.get("/v1/models")
     @endpoint
