@@ -15,7 +15,6 @@ from typing import Any
 
 from .batching import batching_config
 from .chat import Prompt
-from .distributions import member_table
 from .errors import ConfigurationError, InvalidOptionError, NoMembersError
 from .generation import EnsembleMethod, GenerationResult, GenerationStream
 from .members import Member, MemberSpec
@@ -180,18 +179,9 @@ class Ensemble:
         return self.method.batch(prompts, **overrides)
 
     def warm_up(self) -> None:
-        """Build now what the first requests would otherwise build inside their own time.
-
-        A multi-member method maps every member's vocabulary to text once per process (the
-        token tables of :func:`~ensemble_core.distributions.member_table`: ~0.3 s for
-        Gemma-3's 262k tokens), lazily at the first point where the members disagree. A
-        server's or a benchmark's first requests paid that mid-answer (eight concurrent
-        ones waited 8-15 s for it before the tables were built once under a lock), so
-        ``ensemble serve`` and ``ensemble bench`` call this once after loading.
-        """
-        if len(self.members) > 1 and self.method_name != "single":
-            for member in self.members:
-                member_table(member)
+        """Build now what the first requests would build mid-answer (:meth:`EnsembleMethod.warm_up`:
+        the members' token tables); ``ensemble serve`` and ``ensemble bench`` call it after loading."""
+        self.method.warm_up()
 
     def close(self) -> None:
         """Give back the Ray actors of the members this ensemble built (idempotent; local weights stay cached).

@@ -354,9 +354,9 @@ def _warm_up(rows: list[Row]) -> None:
     for row in rows:
         if row.runner is None:
             continue
-        if isinstance(row.runner, EnsembleRunner):
-            row.runner.ensemble.warm_up()
         try:
+            if isinstance(row.runner, EnsembleRunner):
+                row.runner.ensemble.warm_up()
             row.runner.run([{"role": "user", "content": "What is 2 + 3?"}], 4)
         except Exception as exc:  # noqa: BLE001 - a broken method is reported per question below
             print(f"warm-up of {row.label} failed: {type(exc).__name__}: {exc}", file=sys.stderr)

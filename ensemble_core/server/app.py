@@ -507,7 +507,7 @@ async def events(generation: Generation, deltas: AsyncIterator[str], first: str 
 
 def batching_counters(ensemble: Ensemble) -> dict[str, Any] | None:
     """The batcher's counters since start (None with batching off): how many rows a pass served is
-    what says whether concurrent requests share their passes (``rows / batched_calls``)."""
+    what says whether concurrent requests share their passes (``rows / model_calls``)."""
     batcher = getattr(ensemble.method, "batcher", None)
     return None if batcher is None else batcher.stats.as_dict()
 
