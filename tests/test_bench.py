@@ -88,6 +88,56 @@ def test_summary_ratios_and_targets_from_records() -> None:
     assert targets["verify_in_line_speedup"]["status"] == "missed"
 
 
+
+def test_ratio_intervals_bootstrap_the_questions() -> None:
+    """A ratio's interval resamples the questions both rows answered, pairing them; it brackets
+    the value, shrinks to a point when every question has the same ratio, and is reproducible."""
+    from ensemble_core.bench.intervals import describe, paired, ratio_interval
+
+    recs = [_rec("a", f"q{i}", 2.0 * (i + 1), chars=100 + 10 * i) for i in range(30)]
+    recs += [_rec("b", f"q{i}", (i + 1), chars=100 + 10 * i) for i in range(30)]
+    recs += [{"method": "b", "question_id": "q99", "error": "RuntimeError: x"}, _rec("a", "q99", 1.0)]
+    pairs = paired(recs, "a", "b")
+    assert len(pairs) == 30 and all(a["question_id"] == b["question_id"] for a, b in pairs)  # q99: error in b
+    assert ratio_interval(pairs, "s_per_100_chars") == pytest.approx((2.0, 2.0))  # 2x on every question
+    assert ratio_interval(pairs, "no_such_metric") is None and ratio_interval(pairs[:1], "mean_latency_s") is None
+
+    noisy = [_rec("a", f"q{i}", 1.0 + (i * 37 % 11) / 5, chars=50 + (i * 53 % 17) * 20) for i in range(40)]
+    noisy += [_rec("b", f"q{i}", 1.5 + (i * 29 % 13) / 4, chars=50 + (i * 53 % 17) * 20) for i in range(40)]
+    summary = summarize_rows([Row("a", "x", runner=object()), Row("b", "x", runner=object())], noisy)
+    point = summary["a"]["s_per_100_chars"] / summary["b"]["s_per_100_chars"]
+    pairs = paired(noisy, "a", "b")
+    lo, hi = ratio_interval(pairs, "s_per_100_chars")
+    assert lo < point < hi and hi - lo > 0.05
+    assert ratio_interval(pairs, "s_per_100_chars") == (lo, hi)  # fixed seed
+    narrow = ratio_interval(pairs, "s_per_100_chars", level=0.5)
+    assert lo <= narrow[0] < narrow[1] <= hi
+    assert describe((lo, hi), 40).startswith("95 % CI ") and describe(None, 40) == ""
+    with pytest.raises(ValueError, match="level"):
+        ratio_interval(pairs, "s_per_100_chars", level=1.5)
+
+    # through the targets: every ratio target gets its interval and says where it lies
+    rows, records = _synthetic()
+    by_id = {t["id"]: t for t in evaluate_targets(summarize_rows(rows, records), {}, None, records=records)}
+    fast = by_id["safe_fast_drafter_vs_slow_member"]
+    assert fast["interval"] == pytest.approx([0.25, 0.25]) and "the whole interval meets it" in fast["detail"]
+    assert "95 % CI 0.25-0.25x over 2 questions" in fast["detail"]
+    assert by_id["specem_ttfs"]["interval"] == pytest.approx([1.2, 1.2])  # mean_ttft_s / mean_time_to_L_s
+    assert by_id["safe_et"]["interval"] is None  # not a ratio
+    rows, records = _synthetic(safe_fast=3.0)
+    records = [dict(r, latency_s=r["latency_s"] * (1.1 if r["question_id"] == "q2" else 1.0))
+               if r["method"] == "single[slow]" else r for r in records]  # the slow member: 4 s, then 4.4 s
+    fast = {t["id"]: t for t in evaluate_targets(summarize_rows(rows, records), {}, None,
+                                                 records=records)}["safe_fast_drafter_vs_slow_member"]
+    assert fast["status"] == "missed" and fast["interval"] == pytest.approx([3 / 4.4, 0.75], abs=1e-4)
+    assert "the whole interval misses it" in fast["detail"]
+    records = [dict(r, latency_s=r["latency_s"] * (1.5 if r["question_id"] == "q2" else 1.0))
+               if r["method"] == "single[slow]" else r for r in records]  # now 4 s, then 6.6 s: 0.45x-0.75x
+    fast = {t["id"]: t for t in evaluate_targets(summarize_rows(rows, records), {}, None,
+                                                 records=records)}["safe_fast_drafter_vs_slow_member"]
+    assert "the interval spans the threshold" in fast["detail"]
+
+
 def test_trio_targets_best_ensemble_accuracy_and_subset_rows(tiny_llama, tiny_gemma, tiny_qwen) -> None:
     """``--subsets`` adds each subset's ensemble rows after the whole set's; targets keep reading the whole set."""
     options = BenchOptions(members=("a", "b", "c"), methods=("single", "safe", "every-token", "specem"),

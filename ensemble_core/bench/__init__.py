@@ -22,7 +22,8 @@ PNG plots (``latency_per_method.png``, ``latency_vs_length.png``, ``et_distribut
 
 Modules: :mod:`.runner` (options, runners, rows, the interleaved driver), :mod:`.records`
 (per-question records and per-method summaries), :mod:`.targets` (the issues' targets,
-declared as data in ``targets.json`` and evaluated against a summary), :mod:`.report`
+declared as data in ``targets.json`` and evaluated against a summary), :mod:`.intervals`
+(a ratio's bootstrap interval over the questions), :mod:`.report`
 (markdown and plots), :mod:`.microbench` (verify-in-line vs separate scoring).
 """
 

@@ -10,10 +10,12 @@ evaluated says why (a skipped method's reason, or which row is missing).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .intervals import Record, describe, paired, ratio_interval
 from .records import fast_slow
 
 TARGETS_FILE = Path(__file__).with_name("targets.json")
@@ -88,7 +90,23 @@ def _fmt_x(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}x"
 
 
-def _ratio_each(target: Target, summary: Summary, skipped: dict[str, str]) -> tuple[float | None, str]:
+#: A computed target value: ``(value, detail, interval)``; the interval is the ratio's bootstrap
+#: interval over the questions (``intervals.ratio_interval``) when the records allow one.
+Computed = tuple[float | None, str, tuple[float, float] | None]
+
+
+def _interval(records: Sequence[Record] | None, num: str, den: str, metric: str,
+              metric_b: str | None = None) -> tuple[tuple[float, float] | None, str]:
+    """The ratio ``num / den``'s interval and its description (nothing without records)."""
+    if not records:
+        return None, ""
+    pairs = paired(records, num, den)
+    interval = ratio_interval(pairs, metric, metric_b)
+    return interval, describe(interval, len(pairs))
+
+
+def _ratio_each(target: Target, summary: Summary, skipped: dict[str, str],
+                records: Sequence[Record] | None) -> Computed:
     """A ratio target evaluated for every A row (``"each": true``): the best value, every row's in the detail.
 
     Why: a target such as "SAFE with SmolLM2 drafting <= 1.0x Qwen alone, for the trio or
@@ -111,71 +129,98 @@ def _ratio_each(target: Target, summary: Summary, skipped: dict[str, str]) -> tu
             num, den = ((a_label, a), match[0])[::-1 if spec.get("invert") else 1]
             pairs.append((num[0], den[0], num[1][metric] / den[1][metric]))
     if not pairs:
-        return None, _missing([sel_a, sel_b], summary, skipped)
+        return None, _missing([sel_a, sel_b], summary, skipped), None
     pick = min if target.op == "<=" else max
     best = pick(pairs, key=lambda p: p[2])
-    detail = f"best: {best[0]} / {best[1]} ({metric}); " + "; ".join(f"{a} / {b}: {_fmt_x(v)}" for a, b, v in pairs)
-    return best[2], detail
+    interval, said = _interval(records, best[0], best[1], metric)
+    detail = (f"best: {best[0]} / {best[1]} ({metric}" + (f"; {said}" if said else "") + "); "
+              + "; ".join(f"{a} / {b}: {_fmt_x(v)}" for a, b, v in pairs))
+    return best[2], detail, interval
 
 
-def compute(target: Target, summary: Summary, skipped: dict[str, str],
-            micro: dict[str, Any] | None) -> tuple[float | None, str]:
-    """``(value, detail)`` of one target; the detail says why when the value is None."""
+def compute(target: Target, summary: Summary, skipped: dict[str, str], micro: dict[str, Any] | None,
+            records: Sequence[Record] | None = None) -> Computed:
+    """``(value, detail, interval)`` of one target; the detail says why when the value is None.
+
+    With the run's per-question ``records`` a ratio also gets its bootstrap interval over the
+    questions (:mod:`.intervals`); the value itself is always the summary's.
+    """
     spec = target.value
     if "throughput" in spec:  # evaluated by the throughput benchmark (bench.throughput), not per question
-        return None, "measured by `ensemble bench --throughput`"
+        return None, "measured by `ensemble bench --throughput`", None
     if "micro" in spec:
         if not micro or "skipped" in micro:
-            return None, (micro or {}).get("skipped", "microbenchmark not run")
-        return micro.get(spec["micro"]), micro.get("detail", "")
+            return None, (micro or {}).get("skipped", "microbenchmark not run"), None
+        return micro.get(spec["micro"]), micro.get("detail", ""), None
     metric = spec["metric"]
     if "max" in spec:
         rows = [(k, v[metric]) for k, v in select(summary, spec["max"]) if v.get(metric) is not None]
         if not rows:
-            return None, _missing([spec["max"]], summary, skipped)
-        return max(v for _, v in rows), ", ".join(f"{k}: {v:.1%}" if metric == "et" else f"{k}: {v:.3g}" for k, v in rows)
+            return None, _missing([spec["max"]], summary, skipped), None
+        return (max(v for _, v in rows),
+                ", ".join(f"{k}: {v:.1%}" if metric == "et" else f"{k}: {v:.3g}" for k, v in rows), None)
     if "diff" in spec:  # best of A minus best of B (accuracies: a ratio is undefined when B scores 0)
         sel_a, sel_b = spec["diff"]
         best = [max(((k, v[metric]) for k, v in select(summary, sel) if v.get(metric) is not None),
                     key=lambda kv: kv[1], default=None) for sel in (sel_a, sel_b)]
         if best[0] is None or best[1] is None:
-            return None, _missing([sel_a, sel_b], summary, skipped)
+            return None, _missing([sel_a, sel_b], summary, skipped), None
         (a_label, a), (b_label, b) = best
-        return a - b, f"best {sel_a.partition(':')[0]}: {a_label} {a:.3g}; best {sel_b.partition(':')[0]}: {b_label} {b:.3g}"
+        return (a - b, f"best {sel_a.partition(':')[0]}: {a_label} {a:.3g}; best {sel_b.partition(':')[0]}: "
+                f"{b_label} {b:.3g}", None)
     if spec.get("each"):
-        return _ratio_each(target, summary, skipped)
+        return _ratio_each(target, summary, skipped, records)
     sel_a, sel_b = spec["ratio"]
     a_rows, b_rows = select(summary, sel_a), select(summary, sel_b)
     metric_b = spec.get("metric_b", metric)
     b_values = [(k, v[metric_b]) for k, v in b_rows if v.get(metric_b)]
     if not a_rows or not b_values or a_rows[0][1].get(metric) is None:
-        return None, _missing([sel_a, sel_b], summary, skipped)
+        return None, _missing([sel_a, sel_b], summary, skipped), None
     a_label, a = a_rows[0]
     b_label, b_value = max(b_values, key=lambda kv: kv[1]) if spec.get("agg_b") == "max" else b_values[0]
     value = a[metric] / b_value
-    detail = f"{a_label} / {b_label} ({metric}" + (f" / {metric_b})" if metric_b != metric else ")")
+    interval, said = _interval(records, a_label, b_label, metric, metric_b)
+    detail = f"{a_label} / {b_label} ({metric}" + (f" / {metric_b}" if metric_b != metric else "")
+    detail += (f"; {said})" if said else ")")
     if spec.get("per_question"):
         pq = spec["per_question"]
         b_row = summary[b_label]
         detail += f"; per question: {_fmt_x(a[pq] / b_row[pq] if a.get(pq) and b_row.get(pq) else None)}"
     if spec.get("agg_b") == "max" and len(b_values) > 1:
         detail += f"; vs the smallest {metric_b}: {_fmt_x(a[metric] / min(v for _, v in b_values))}"
-    return value, detail
+    return value, detail, interval
+
+
+def _side(interval: tuple[float, float], op: str, threshold: float) -> str:
+    """Whether the whole interval meets the target, misses it, or spans the threshold."""
+    lo, hi = interval
+    meets = hi <= threshold if op == "<=" else lo >= threshold
+    misses = lo > threshold if op == "<=" else hi < threshold
+    return "the whole interval meets it" if meets else "the whole interval misses it" if misses else \
+        "the interval spans the threshold"
 
 
 def evaluate_targets(summary: Summary, skipped: dict[str, str], micro: dict[str, Any] | None,
-                     targets: list[Target] | None = None) -> list[dict[str, Any]]:
-    """Every target met / missed / not evaluated (with why), in file order."""
+                     targets: list[Target] | None = None,
+                     records: Sequence[Record] | None = None) -> list[dict[str, Any]]:
+    """Every target met / missed / not evaluated (with why), in file order.
+
+    ``records`` (the run's per-question records) add each ratio's bootstrap interval
+    (``interval``) and say whether the verdict holds over the whole of it.
+    """
     out = []
     for t in targets if targets is not None else load_targets():
         if "throughput" in t.value:  # measured by `ensemble bench --throughput` (bench.throughput), not per question
             continue
-        value, detail = compute(t, summary, skipped, micro)
+        value, detail, interval = compute(t, summary, skipped, micro, records)
         if value is None:
             out.append({"id": t.id, "issue": t.issue, "target": t.text, "value": None, "threshold": t.threshold,
-                        "status": "not evaluated", "detail": detail or "no data"})
+                        "status": "not evaluated", "detail": detail or "no data", "interval": None})
             continue
         met = value <= t.threshold if t.op == "<=" else value >= t.threshold
+        if interval is not None:
+            detail += f"; {_side(interval, t.op, t.threshold)}"
         out.append({"id": t.id, "issue": t.issue, "target": t.text, "value": round(value, 4),
-                    "threshold": t.threshold, "status": "met" if met else "missed", "detail": detail})
+                    "threshold": t.threshold, "status": "met" if met else "missed", "detail": detail,
+                    "interval": None if interval is None else [round(interval[0], 4), round(interval[1], 4)]})
     return out
