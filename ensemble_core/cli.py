@@ -246,7 +246,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens if args.max_new_tokens != 256 else 64, dataset=args.dataset,
             data_path=args.data_path, offset=args.offset, sequential_requests=args.sequential,
             stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop, out=str(out), threads=args.threads,
-            warmup=not args.no_warmup, baseline_process=not args.inline_baseline,
+            warmup=not args.no_warmup, baseline_process=not args.inline_baseline, repeats=args.repeats,
             command="ensemble " + " ".join(shlex.quote(a) for a in args.argv)))
         print((out / "throughput.md").read_text(encoding="utf-8"))
         print(f"Results in {out.resolve()}")
@@ -340,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequential", type=int, default=None,
                    help="--throughput: at most this many prompts run one after another for each level's "
                         "baseline, half before and half after its batched run (default: as many as the level)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="--throughput: measure every level this many times, each bracketed by its own baseline, "
+                        "and report the median (with the spread: a busy or virtual machine's speed drifts)")
     p.add_argument("--inline-baseline", action="store_true",
                    help="--throughput: run the one-by-one baseline in this process (default: a worker process "
                         "of its own, so that neither side inherits the other's allocator and thread state)")

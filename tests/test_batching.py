@@ -403,6 +403,18 @@ def test_throughput_report_and_targets() -> None:
     ordinary = evaluate_targets({}, {}, None)  # the per-question bench leaves throughput targets to --throughput
     assert not [t for t in ordinary if t["id"].startswith("batching")]
 
+    # repeats: the level is its median repeat; the table and the target show the spread
+    from ensemble_core.bench.throughput import median_repeat
+
+    runs = [dict(level, speedup=v) for v in (2.5, 4.0, 3.5)]
+    median = median_repeat(runs)
+    assert median["speedup"] == 3.5 and [r["speedup"] for r in median["repeats"]] == [2.5, 4.0, 3.5]
+    assert median_repeat(runs[:2])["speedup"] == 2.5  # an even count: the lower middle, a real measurement
+    results = {"single": {"members": ["m"], "levels": {"8": median}}}
+    target = next(t for t in evaluate_throughput_targets(results, 8) if t["id"] == "batching_single_x8")
+    assert target["value"] == 3.5 and "median of 3 repeats (2.50-4.00x), met in 2 of 3" in target["detail"]
+    assert "| 3.50x (2.50-4.00, 3 runs) |" in markdown({"results": results, "targets": [target]})
+
 
 def test_each_throughput_level_brackets_its_own_baseline(llama: Member, monkeypatch: pytest.MonkeyPatch) -> None:
     """The machine's speed drifts over minutes, so each level's one-by-one baseline runs half
@@ -423,6 +435,15 @@ def test_each_throughput_level_brackets_its_own_baseline(llama: Member, monkeypa
     assert (one["identical_outputs"], four["identical_outputs"]) == (1, 2) and four["tokens"] > 0
     assert four["batcher"]["rows"] > 0 and four["speedup"] is not None
     assert all(0.0 <= v <= 1.0 for v in four["cpu_steal"].values())  # both sides' share, from /proc/stat
+
+    events.clear()  # repeats: each one bracketed by its own baseline
+    twice = measure_method("single", [llama], PROMPTS[:4], ThroughputOptions(**{**options.__dict__, "concurrency": (2,),
+                                                                                 "repeats": 2}))
+    assert events == ["alone", "batch", "alone"] * 2
+    level = twice["levels"]["2"]
+    assert len(level["repeats"]) == 2 and level["speedup"] == min(r["speedup"] for r in level["repeats"])
+    with pytest.raises(InvalidOptionError, match="repeats"):
+        ThroughputOptions(repeats=0)
 
 
 def test_throughput_baseline_runs_in_its_own_process(llama: Member, tmp_path) -> None:
