@@ -16,21 +16,23 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .records import output_chars
+
 Record = dict[str, Any]
 
 #: Aggregates a ratio can be bootstrapped for: each recomputes a summary metric
 #: (``records.summarize_rows``) from one draw of a row's per-question records.
 AGGREGATES: dict[str, Callable[[Sequence[Record]], float | None]] = {
-    "s_per_100_chars": lambda rs: _ratio_of_sums(rs, "latency_s", "chars", 100.0),
+    "s_per_100_chars": lambda rs: _per_100_chars(rs),
     "mean_latency_s": lambda rs: _mean(rs, "latency_s"),
     "mean_ttft_s": lambda rs: _mean(rs, "ttft_s"),
     "mean_time_to_L_s": lambda rs: _mean(rs, "time_to_L_s"),
 }
 
 
-def _ratio_of_sums(records: Sequence[Record], num: str, den: str, scale: float) -> float | None:
-    d = sum(r.get(den, 0) or 0 for r in records)
-    return scale * sum(r[num] for r in records) / d if d else None
+def _per_100_chars(records: Sequence[Record]) -> float | None:
+    chars = sum(output_chars(r) for r in records)
+    return 100 * sum(r["latency_s"] for r in records) / chars if chars else None
 
 
 def _mean(records: Sequence[Record], key: str) -> float | None:

@@ -76,6 +76,11 @@ def error_record(row: Row, problem: Problem, exc: BaseException) -> dict[str, An
             "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=6)}
 
 
+def output_chars(record: dict[str, Any]) -> int:
+    """A record's output length in characters (records written before ``chars`` was kept: its output's)."""
+    return record.get("chars", len(record.get("output", "")))
+
+
 def mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
@@ -90,7 +95,7 @@ def summarize_rows(rows: list[Row], records: list[dict[str, Any]]) -> dict[str, 
         ok = [r for r in recs if "error" not in r]
         lat = [r["latency_s"] for r in ok]
         toks = sum(r["tokens"] for r in ok)
-        chars = sum(r.get("chars", len(r.get("output", ""))) for r in ok)
+        chars = sum(output_chars(r) for r in ok)
         ets = [r["et"] for r in ok if r.get("et") is not None]
         ens = [r["stats"].get("ensembled") for r in ok]
         tot = [r["stats"].get("tokens") for r in ok]

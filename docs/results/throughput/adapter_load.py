@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from langchain_ensemble import ChatEnsemble
 
+from ensemble_core import Ensemble
 from ensemble_core.bench.report import cpu_ticks, steal_share
 from ensemble_core.datasets import cot_prompt, load_dataset
 
@@ -38,9 +39,8 @@ def main() -> None:
     tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 64
     torch.set_num_threads(int(sys.argv[4]) if len(sys.argv) > 4 else 2)
     questions = [[(m["role"], m["content"]) for m in cot_prompt(p.question)] for p in load_dataset("gsm8k", concurrent)]
-    llm = ChatEnsemble(members=["smollm2-135m-instruct", "gemma3-270m"], method=method, max_tokens=tokens,
-                       temperature=0, stop=["\nQuestion:"])
-    ensemble = llm._core_ensemble()
+    ensemble = Ensemble(["smollm2-135m-instruct", "gemma3-270m"], method=method)
+    llm = ChatEnsemble(ensemble=ensemble, max_tokens=tokens, temperature=0, stop=["\nQuestion:"])
     llm.invoke("What is 2 + 3?", max_tokens=4)
     ensemble.warm_up()
     batcher = ensemble.method.batcher
