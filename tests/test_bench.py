@@ -23,6 +23,7 @@ from ensemble_core.bench import (
     ensemble_ratio,
     evaluate_targets,
     is_corrupted,
+    load_targets,
     run_bench,
     summarize_rows,
 )
@@ -86,6 +87,23 @@ def test_summary_ratios_and_targets_from_records() -> None:
     assert targets["safe_slow_drafter_vs_itself"]["status"] == "missed"
     assert targets["safe_et"]["status"] == "missed"
     assert targets["verify_in_line_speedup"]["status"] == "missed"
+
+
+def test_a_target_set_on_one_dataset_is_only_judged_there() -> None:
+    """The trio's accuracy target is set on arith: on GSM8K its value is reported, not met or missed."""
+    rows, records = _synthetic()
+    summary = summarize_rows(rows, records)
+    target = next(t for t in load_targets() if t.id == "trio_ensemble_accuracy")
+    assert target.datasets == ("arith",)
+    [on_arith] = evaluate_targets(summary, {}, None, targets=[target], dataset="arith")
+    [on_gsm8k] = evaluate_targets(summary, {}, None, targets=[target], dataset="gsm8k")
+    [unknown] = evaluate_targets(summary, {}, None, targets=[target])
+    assert on_arith["status"] == unknown["status"] == "met" and on_arith["value"] == on_gsm8k["value"]
+    assert on_gsm8k["status"] == "reported" and "set on arith, this run is on gsm8k" in on_gsm8k["detail"]
+    others = [t for t in load_targets() if t.id != target.id]
+    assert all(not t.datasets for t in others)  # the speed targets hold on every dataset
+    assert [t["status"] for t in evaluate_targets(summary, {}, {"speedup_4": 2.5}, targets=others, dataset="gsm8k")] \
+        == [t["status"] for t in evaluate_targets(summary, {}, {"speedup_4": 2.5}, targets=others, dataset="arith")]
 
 
 

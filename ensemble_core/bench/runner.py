@@ -436,7 +436,7 @@ def run_bench(options: BenchOptions, members: list[Member] | None = None) -> dic
                  "command": options.command or "run_bench(...)", "hardware": hardware(),
                  "options": jsonable(dataclasses.asdict(options))},
         "methods": methods, "skipped": skipped, "microbench": micro,
-        "targets": evaluate_targets(methods, skipped, micro, records=records),
+        "targets": evaluate_targets(methods, skipped, micro, records=records, dataset=options.dataset),
     }
     if options.plots:
         summary["plots"] = write_plots(out, labels, records)

@@ -4,7 +4,9 @@ A target names a value, a comparison and a threshold; the value is computed from
 summary's rows by a tiny declarative spec (see ``targets.json``: a ratio of two rows'
 metrics, the largest metric over rows, or a microbenchmark figure). New targets (a third
 member, batching, ...) are new entries in the file, not new code. A target that cannot be
-evaluated says why (a skipped method's reason, or which row is missing).
+evaluated says why (a skipped method's reason, or which row is missing). A target set on
+particular datasets (``"datasets": ["arith"]``) is only judged on those; elsewhere its value
+is reported with the status ``"reported"`` (the arith accuracy target says nothing about GSM8K).
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ class Target:
     op: str
     threshold: float
     issue: str = ""
+    datasets: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "datasets", tuple(self.datasets))
         if self.op not in ("<=", ">="):
             raise ValueError(f"target {self.id}: op must be '<=' or '>=', got {self.op!r}")
         if not ({"ratio", "diff", "max", "micro", "throughput"} & set(self.value)):
@@ -44,7 +48,7 @@ class Target:
 
 def load_targets(path: Path | str = TARGETS_FILE) -> list[Target]:
     data = json.loads(Path(path).read_text(encoding="utf-8"))
-    known = {"id", "text", "value", "op", "threshold", "issue"}
+    known = {"id", "text", "value", "op", "threshold", "issue", "datasets"}
     return [Target(**{k: v for k, v in t.items() if k in known}, extra={k: v for k, v in t.items() if k not in known})
             for t in data["targets"]]
 
@@ -202,11 +206,12 @@ def _side(interval: tuple[float, float], op: str, threshold: float) -> str:
 
 def evaluate_targets(summary: Summary, skipped: dict[str, str], micro: dict[str, Any] | None,
                      targets: list[Target] | None = None,
-                     records: Sequence[Record] | None = None) -> list[dict[str, Any]]:
+                     records: Sequence[Record] | None = None, dataset: str | None = None) -> list[dict[str, Any]]:
     """Every target met / missed / not evaluated (with why), in file order.
 
     ``records`` (the run's per-question records) add each ratio's bootstrap interval
-    (``interval``) and say whether the verdict holds over the whole of it.
+    (``interval``) and say whether the verdict holds over the whole of it. ``dataset``: the
+    run's dataset; a target set on other datasets is ``"reported"``, not met or missed.
     """
     out = []
     for t in targets if targets is not None else load_targets():
@@ -218,9 +223,13 @@ def evaluate_targets(summary: Summary, skipped: dict[str, str], micro: dict[str,
                         "status": "not evaluated", "detail": detail or "no data", "interval": None})
             continue
         met = value <= t.threshold if t.op == "<=" else value >= t.threshold
-        if interval is not None:
+        status = "met" if met else "missed"
+        if dataset is not None and t.datasets and dataset not in t.datasets:
+            status = "reported"
+            detail += f"; the target is set on {' and '.join(t.datasets)}, this run is on {dataset}"
+        elif interval is not None:
             detail += f"; {_side(interval, t.op, t.threshold)}"
         out.append({"id": t.id, "issue": t.issue, "target": t.text, "value": round(value, 4),
-                    "threshold": t.threshold, "status": "met" if met else "missed", "detail": detail,
+                    "threshold": t.threshold, "status": status, "detail": detail,
                     "interval": None if interval is None else [round(interval[0], 4), round(interval[1], 4)]})
     return out
