@@ -72,6 +72,7 @@ from .distributions import (
 )
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
+from .lookup import check_prompt_lookup, propose
 from .members import Member
 from .rows import TensorRows, delegate, window_probs
 from .stats import MemberStats, SafeStats
@@ -87,11 +88,14 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 
 def draft_tokens(state: Any, limit: int, budget: int, config: GenerationConfig, generator: torch.Generator | None,
-                 grammar: Any = None, confidence: float = 0.0) -> tuple[list[int], Any]:
+                 grammar: Any = None, confidence: float = 0.0, lookup: int = 0) -> tuple[list[int], Any]:
     """The drafter's loop: ``limit`` tokens (a few more to finish a character), never past ``budget`` or EOS.
 
     With ``confidence`` > 0 the draft also ends after a token the drafter gave less than
-    that probability (:attr:`SafeConfig.draft_confidence`). Returns the drafted ids and their
+    that probability (:attr:`SafeConfig.draft_confidence`). With ``lookup`` > 0 each pass
+    also feeds up to that many tokens guessed by prompt lookup (:mod:`~ensemble_core.lookup`),
+    whose rows serve the next choices as long as the guesses come true; the ones that do not
+    are cropped (:attr:`SafeConfig.prompt_lookup`). Returns the drafted ids and their
     distributions as rows (:mod:`~ensemble_core.rows`).
     The last drafted token is not fed (the next round feeds it, or it is cropped). A state
     whose model runs elsewhere drafts next to its cache in one call; a constrained draft
@@ -99,13 +103,15 @@ def draft_tokens(state: Any, limit: int, budget: int, config: GenerationConfig, 
     """
     own = delegate(state, "draft_tokens") if grammar is None else None
     if own is not None:
-        return own(limit, budget, config, generator, confidence)
+        return own(limit, budget, config, generator, confidence, lookup)
     member = state.member
     base = len(state.ids)
     context = state.ids[max(0, base - DECODE_CONTEXT):base]
     ids: list[int] = []
     probs: list[torch.Tensor] = []
-    row = state.score()[-1]
+    guesses = propose(state.ids, min(lookup, limit - 1, budget - 1))
+    rows = state.score(guesses)
+    row, ahead = rows[0], list(zip(guesses, rows[1:]))  # ahead: fed guesses and the rows after them
     while True:
         p = torch.softmax((grammar.mask_logits(row) if grammar is not None else row).float(), dim=-1)
         token = choose_token(p, config, generator)
@@ -120,7 +126,17 @@ def draft_tokens(state: Any, limit: int, budget: int, config: GenerationConfig, 
         if len(ids) >= limit and (len(ids) >= limit + PARTIAL_CHAR_TOKENS or not decode_suffix(
                 member.tokenizer, context, ids).endswith(REPLACEMENT_CHAR)):
             break
-        row = state.score([token])[-1]  # the last drafted token is fed next round (or cropped)
+        if ahead and ahead[0][0] == token:  # the guess came true: its row is already computed
+            row = ahead.pop(0)[1]
+            continue
+        if ahead:  # a guess missed: drop it and the guesses fed after it
+            state.crop(base + len(ids) - 1)
+            ahead = []
+        guesses = propose(state.ids + [token], min(lookup, limit - len(ids) - 1, budget - len(ids) - 1))
+        rows = state.score([token, *guesses])  # the last drafted token is fed next round (or cropped)
+        row, ahead = rows[1], list(zip(guesses, rows[2:]))
+    if len(state.ids) > base + len(ids) - 1:  # fed guesses past the draft's end (and its last token)
+        state.crop(base + len(ids) - 1)
     return ids, TensorRows(probs)
 
 
@@ -145,6 +161,10 @@ class SafeConfig(GenerationConfig):
     where a verify pass is cheap next to the drafting it saves: 0.5 made SmolLM2 drafting for
     Qwen2.5-0.5B 10-12 % faster per token on a CPU, and gained nothing for SmolLM2 drafting
     for Gemma-3-270m (docs/benchmarks.md, "Early-ending drafts"), hence not the default.
+    ``prompt_lookup``: the drafter also feeds up to this many tokens guessed from its own
+    context (:mod:`~ensemble_core.lookup`; transformers' ``prompt_lookup_num_tokens``) in
+    each pass and keeps those it chooses anyway: the same draft in fewer drafter passes
+    (0: one token per pass, as published).
     """
 
     drafter: int = 0
@@ -156,10 +176,12 @@ class SafeConfig(GenerationConfig):
     margin: int = DEFAULT_MARGIN
     fusion_weights: Any = None
     draft_confidence: float = 0.0
+    prompt_lookup: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_int("drafter", self.drafter, 0)
+        check_prompt_lookup(self.prompt_lookup)
         c = self.draft_confidence
         if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0.0 <= c < 1.0:
             raise InvalidOptionError("draft_confidence", c, "a number in [0, 1) (0: drafts of lookahead tokens)")
@@ -319,7 +341,8 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         mark = grammar.checkpoint() if grammar is not None else None
         if grammar is not None:
             grammar.set_budget(budget)  # closing pressure near the end (ensemble_core.closing)
-        ids, probs = draft_tokens(state, limit, budget, config, request.generator, grammar, config.draft_confidence)
+        ids, probs = draft_tokens(state, limit, budget, config, request.generator, grammar, config.draft_confidence,
+                                  config.prompt_lookup)
         eos = ids[-1] in member.eos_token_ids
         text_ids = ids[:-1] if eos else ids
         pieces: list[str | None] = []

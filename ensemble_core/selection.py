@@ -31,9 +31,20 @@ from . import alignment, batching
 from .alignment import PARTIAL_CHAR_TOKENS, REPLACEMENT_CHAR, Tokenized, decode_suffix
 from .errors import ConfigurationError, InvalidOptionError
 from .generation import GenerationConfig, choose_token
+from .lookup import check_prompt_lookup, propose
 from .members import Member
 from .rows import delegate
-from .verify_inline import SCORING_KINDS, branch_step, cache_branch, check_verifier, score_candidates_inline
+from .verify_inline import (
+    SCORING_KINDS,
+    Mark,
+    branch_feed,
+    branch_marks,
+    branch_step,
+    cache_branch,
+    check_verifier,
+    rewind,
+    score_candidates_inline,
+)
 from .view import MemberView
 
 NORMALIZATIONS = ("softmax", "minmax", "none")
@@ -61,7 +72,10 @@ class SelectionConfig(GenerationConfig):
     ``"softmax"`` (default; positive, sums to 1, order-preserving), ``"minmax"`` or
     ``"none"``. ``drafters`` / ``verifiers``: member indices or names (None: all members).
     ``parallel``: run members in threads (None: automatic, see :func:`use_threads`: when
-    they sit on different devices, or on a multi-core CPU).
+    they sit on different devices, or on a multi-core CPU). ``prompt_lookup``: each drafter
+    also feeds up to this many tokens guessed from its own context per pass
+    (:mod:`~ensemble_core.lookup`) and keeps those it chooses anyway: the same candidates in
+    fewer passes (0: one token per pass).
     """
 
     scoring: str = "logprob"
@@ -69,9 +83,11 @@ class SelectionConfig(GenerationConfig):
     drafters: tuple[int | str, ...] | None = None
     verifiers: tuple[int | str, ...] | None = None
     parallel: bool | None = None
+    prompt_lookup: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_prompt_lookup(self.prompt_lookup)
         if self.scoring not in SCORING_KINDS:
             raise InvalidOptionError("scoring", self.scoring, "one of " + ", ".join(SCORING_KINDS))
         if self.normalization not in NORMALIZATIONS:
@@ -287,7 +303,8 @@ def draft(view: MemberView, index: int, length: int, config: GenerationConfig, s
     tail = shared[-max((len(s) for s in stops), default=1):] if stops else ""
     grammar = view.constraint  # a constrained request: draft under this member's own token mask
     mark = grammar.checkpoint() if grammar is not None else None
-    ids, end, text, scores = draft_segment(view.state, length, config, view.generator, stops, tail, grammar)
+    lookup = getattr(config, "prompt_lookup", 0)
+    ids, end, text, scores = draft_segment(view.state, length, config, view.generator, stops, tail, grammar, lookup)
     if grammar is not None:
         grammar.restore(mark)  # the grammar follows the committed text, not this draft
     if not shared:
@@ -301,24 +318,30 @@ def draft(view: MemberView, index: int, length: int, config: GenerationConfig, s
 
 @torch.inference_mode()
 def draft_segment(state: Any, length: int, config: GenerationConfig, generator: torch.Generator | None,
-                  stops: Sequence[str], tail: str,
-                  grammar: Any = None) -> tuple[list[int], str | None, str, DraftScores | None]:
+                  stops: Sequence[str], tail: str, grammar: Any = None,
+                  lookup: int = 0) -> tuple[list[int], str | None, str, DraftScores | None]:
     """The drafting loop of :func:`draft` on a cache branch: ``(ids, end, raw text, own scores)``.
 
     ``tail`` is the end of the shared text (a stop string may start in it). A state whose
     model runs elsewhere runs this loop next to its cache in one call (and refuses a
     grammar, which lives here). The scores are taken from the raw rows, before any
-    grammar mask or sampling transform, as the verify pass sees them.
+    grammar mask or sampling transform, as the verify pass sees them. With ``lookup`` > 0
+    each pass also feeds up to that many tokens guessed by prompt lookup
+    (:mod:`~ensemble_core.lookup`); their rows serve the next choices while the guesses come
+    true, and the branch is cut back behind the first that does not.
     """
     own = delegate(state, "draft_segment")
     if own is not None:
-        return own(length, config, generator, stops, tail, grammar)
+        return own(length, config, generator, stops, tail, grammar, lookup)
     member = state.member
     row = state.score()[-1]
     ids: list[int] = []
     end: str | None = None
     text = ""
     kept: list[torch.Tensor] = []  # per row: its token's and ending's scores (row_scores)
+    ahead: list[tuple[int, torch.Tensor]] = []  # fed guesses and the rows after them
+    marks: list[Mark] = []  # the branch before the last pass with guesses
+    fed: list[int] = []  # that pass's guesses
     with cache_branch(state):
         while True:
             raw = row
@@ -342,7 +365,19 @@ def draft_segment(state: Any, length: int, config: GenerationConfig, generator: 
                     break
             if len(ids) >= length and not (text.endswith(REPLACEMENT_CHAR) and len(ids) < length + PARTIAL_CHAR_TOKENS):
                 break
-            row = branch_step(state, token)
+            if ahead and ahead[0][0] == token:  # the guess came true: its row is already computed
+                row = ahead.pop(0)[1]
+                continue
+            if ahead:  # a guess missed: cut it and the guesses after it off the branch
+                rewind(marks, 1 + len(fed) - len(ahead))  # the token and the guesses that came true
+                ahead = []
+            guesses = propose(state.ids + ids, min(lookup, length - len(ids) - 1)) if lookup else []
+            if not guesses:
+                row = branch_step(state, token)
+                continue
+            marks, fed = branch_marks(state), guesses
+            rows = branch_feed(state, [token, *guesses])
+            row, ahead = rows[0], list(zip(guesses, rows[1:]))
     if end != "stop":
         text = decode_suffix(member.tokenizer, state.ids, ids) if ids else ""
     return ids, end, text, _draft_scores(ids, kept)

@@ -93,6 +93,37 @@ def _layers(cache: Any) -> list[Any]:
     return list(layers)
 
 
+#: A layer, its cached length and its ``cumulative_length`` (sliding layers) at a mark.
+Mark = tuple[Any, int, int | None]
+
+
+def branch_marks(state: DecodeState) -> list[Mark]:
+    """Where every cache layer of ``state`` stands now: what :func:`rewind` slices back to."""
+    marks = []
+    for layer in _layers(state.cache):
+        if getattr(layer, "is_sliding", False) and not getattr(layer, "record_past", True):
+            raise UnsupportedModelError("A sliding-window cache layer without past recording cannot be branched exactly.")
+        keys = getattr(layer, "keys", None)
+        filled = getattr(layer, "is_initialized", False) and keys is not None and keys.dim() >= 2
+        length = keys.shape[-2] if filled else 0
+        marks.append((layer, length, getattr(layer, "cumulative_length", None)))
+    return marks
+
+
+def rewind(marks: Sequence[Mark], keep: int = 0) -> None:
+    """Slice every layer back to its marked length plus ``keep`` positions fed since the mark.
+
+    Exact because inside a branch layers only concatenate (see :func:`cache_branch`).
+    """
+    for layer, length, cumulative in marks:
+        keys = getattr(layer, "keys", None)
+        if getattr(layer, "is_initialized", False) and keys is not None and keys.dim() >= 2:
+            layer.keys = layer.keys[..., :length + keep, :]
+            layer.values = layer.values[..., :length + keep, :]
+        if cumulative is not None:
+            layer.cumulative_length = cumulative + keep
+
+
 @contextmanager
 def cache_branch(state: DecodeState) -> Iterator[None]:
     """Run forward passes on ``state``'s cache, then remove whatever they appended.
@@ -106,24 +137,11 @@ def cache_branch(state: DecodeState) -> Iterator[None]:
     """
     if state.cached != len(state.ids):
         raise InputError("cache_branch needs a state without pending ids; call state.score() first.")
-    marks = []
-    for layer in _layers(state.cache):
-        if getattr(layer, "is_sliding", False) and not getattr(layer, "record_past", True):
-            raise UnsupportedModelError("A sliding-window cache layer without past recording cannot be branched exactly.")
-        keys = getattr(layer, "keys", None)
-        filled = getattr(layer, "is_initialized", False) and keys is not None and keys.dim() >= 2
-        length = keys.shape[-2] if filled else 0
-        marks.append((layer, length, getattr(layer, "cumulative_length", None)))
+    marks = branch_marks(state)
     try:
         yield
     finally:
-        for layer, length, cumulative in marks:
-            keys = getattr(layer, "keys", None)
-            if getattr(layer, "is_initialized", False) and keys is not None and keys.dim() >= 2:
-                layer.keys = layer.keys[..., :length, :]
-                layer.values = layer.values[..., :length, :]
-            if cumulative is not None:
-                layer.cumulative_length = cumulative
+        rewind(marks)
 
 
 def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | torch.Tensor,
@@ -163,7 +181,13 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | torch
 @torch.inference_mode()
 def branch_step(state: DecodeState, token: int) -> torch.Tensor:
     """Next-token logits after appending ``token`` on a branch (the caller rewinds the branch)."""
-    return _forward(state, [token], 1)[-1]
+    return branch_feed(state, [token])[-1]
+
+
+@torch.inference_mode()
+def branch_feed(state: DecodeState, ids: Sequence[int]) -> torch.Tensor:
+    """Next-token logits after each of ``ids``, appended on a branch in one pass: ``[len(ids), V]``."""
+    return _forward(state, list(ids), len(ids))
 
 
 # ----------------------------------------------------------------------------- masks

@@ -52,3 +52,12 @@ def test_generate_then_select_returns_one_members_full_answer(tiny_pair: list[Me
     assert "".join(stream) == result.text
 
 
+def test_generate_then_select_with_prompt_lookup_writes_the_same_answers(tiny_pair: list[Member]) -> None:
+    plain = GenerateThenSelect(tiny_pair, max_new_tokens=24).generate("Repeat: la la la la la la la la.")
+    looked = GenerateThenSelect(tiny_pair, max_new_tokens=24, prompt_lookup=5).generate("Repeat: la la la la la la la la.")
+    assert (looked.text, looked.stats["chosen"], looked.stats["scores"]) == (plain.text, plain.stats["chosen"],
+                                                                             plain.stats["scores"])
+    passes = [[m["forward_passes"] for m in r.stats["members"]] for r in (plain, looked)]
+    assert sum(passes[1]) < sum(passes[0]), passes
+
+

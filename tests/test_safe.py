@@ -123,7 +123,7 @@ def check_result(result: GenerationResult, max_new_tokens: int) -> None:
     ("drafter", -1), ("drafter", "0"), ("lookahead", 0), ("lookahead", True), ("distribution", "mean"),
     ("top_k", 0), ("consensus_threshold", 1.5), ("consensus_threshold", "high"), ("sharpening", "max"),
     ("margin", -1), ("max_new_tokens", 0), ("draft_confidence", 1.0), ("draft_confidence", -0.1),
-    ("draft_confidence", "0.5"),
+    ("draft_confidence", "0.5"), ("prompt_lookup", -1), ("prompt_lookup", 2.5), ("prompt_lookup", True),
 ])
 def test_bad_config_values_raise_typed_errors(option: str, value: Any) -> None:
     with pytest.raises(InvalidOptionError) as err:
@@ -225,6 +225,26 @@ def test_sampling_is_reproducible_under_a_seed(tiny_llama: Member, tiny_gemma: M
     assert method.generate("Hi", seed=8).text != a.text  # 6 tokens drawn from ~50k-way distributions
 
 
+@pytest.mark.parametrize("drafter", [0, 1])  # SmolLM2's full cache, Gemma-3's sliding layers
+def test_prompt_lookup_drafts_the_same_text_in_fewer_passes(tiny_llama: Member, tiny_gemma: Member,
+                                                            drafter: int) -> None:
+    """Guessed tokens only save passes: greedy and seeded sampling write the same text, rounds
+    keep their invariants (the drafter cropped to the committed text), and guesses came true."""
+    prompt = "Repeat: la la la la la la la la la la la la."
+    runs = {}
+    for lookup in (0, 4):
+        method = checked(SafeEnsemble([tiny_llama, tiny_gemma], drafter=drafter, consensus_threshold=1.0,
+                                      max_new_tokens=24, prompt_lookup=lookup))
+        greedy = method.generate(prompt)
+        sampled = method.generate(prompt, do_sample=True, temperature=0.7, seed=3)
+        check_result(greedy, 24)
+        own = next(m for m in greedy.stats["members"] if m["role"] == "drafter")
+        runs[lookup] = (greedy.text, sampled.text, greedy.stats["drafted"], own["forward_passes"], own["reprefills"])
+    assert runs[4][:3] == runs[0][:3]
+    assert runs[4][3] < runs[0][3]  # fewer drafter passes
+    assert runs[4][4] == runs[0][4] == 0  # crops stayed exact
+
+
 # ============================================================================ real models
 def greedy_ids(member: Member, prompt: str, max_new_tokens: int) -> list[int]:
     ids = member.encode_prompt(member.render(prompt))
@@ -276,6 +296,32 @@ def test_draft_confidence_keeps_the_drafters_greedy_tokens_in_more_rounds(real_p
     short = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=32, draft_confidence=0.9), prompt)
     assert list(short.views[0].tokens.ids) == list(full.views[0].tokens.ids) == greedy_ids(real_pair[0], prompt, 32)
     assert short.counters.rounds > full.counters.rounds
+
+
+@pytest.mark.real
+def test_prompt_lookup_keeps_the_drafters_greedy_tokens_in_fewer_passes(real_pair: list[Member]) -> None:
+    """With consensus_threshold 0 SAFE writes the drafter's greedy text; guessing tokens must not change it."""
+    prompt = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
+    plain = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=40), prompt)
+    looked = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=40, prompt_lookup=4), prompt)
+    assert list(looked.views[0].tokens.ids) == list(plain.views[0].tokens.ids) == greedy_ids(real_pair[0], prompt, 40)
+    passes = [r.views[0].state.stats.forward_passes for r in (plain, looked)]
+    assert passes[1] < 0.8 * passes[0], passes
+
+
+@pytest.mark.real
+def test_prompt_lookup_leaves_the_drafter_at_its_draft(smollm2: Member) -> None:
+    """After a draft with guesses the state holds the prompt and every drafted id but the last,
+    and its next row is the one a state that never saw the guesses computes."""
+    prompt = "Count: one two three, one two three, one two three, one two"
+    state = smollm2.start(prompt)
+    base = list(state.ids)
+    ids, rows = draft_tokens(state, 8, 40, SafeConfig(), None, lookup=6)
+    assert state.ids == base + ids[:-1]
+    fresh = smollm2.start_from_ids(base)
+    plain, _ = draft_tokens(fresh, 8, 40, SafeConfig(), None)
+    assert plain == ids and state.stats.forward_passes < fresh.stats.forward_passes
+    torch.testing.assert_close(state.score([ids[-1]])[-1], fresh.score([ids[-1]])[-1], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.real

@@ -58,6 +58,7 @@ def test_the_default_reward_learns_for_a_pair() -> None:
     {"segment_length": 0}, {"segment_length": True}, {"scoring": "prob"}, {"normalization": "sum"},
     {"eta": -1.0}, {"eta": float("inf")}, {"eta_decay": "sqrt"}, {"reward": "best"}, {"hedge": "yes"},
     {"drafters": []}, {"drafters": [0, 0]}, {"verifiers": [-1]}, {"parallel": "auto"}, {"max_new_tokens": 0},
+    {"prompt_lookup": -1}, {"prompt_lookup": "4"}, {"prompt_lookup": False},
 ])
 def test_bad_config_values(options: dict) -> None:
     with pytest.raises(InvalidOptionError):
@@ -160,6 +161,21 @@ def test_sampling_is_reproducible_under_a_seed(tiny_pair: list[Member]) -> None:
     assert a.text == b.text and a.stats["chosen"] == b.stats["chosen"]
 
 
+def test_prompt_lookup_drafts_the_same_segments_in_fewer_passes(tiny_pair: list[Member]) -> None:
+    """Guessed tokens only save drafting passes (both members: a full cache and Gemma-3's sliding
+    layers, cut back inside the branch): greedy and seeded sampling pick the same segments."""
+    prompt = "Repeat: la la la la la la la la la la la la."
+    runs = {}
+    for lookup in (0, 6):
+        method = SpecEMEnsemble(tiny_pair, max_new_tokens=32, segment_length=8, prompt_lookup=lookup)
+        greedy = method.generate(prompt)
+        sampled = method.generate(prompt, do_sample=True, temperature=0.7, seed=4)
+        runs[lookup] = (greedy.text, greedy.stats["chosen"], sampled.text,
+                        [m["forward_passes"] for m in greedy.stats["members"]])
+    assert runs[6][:3] == runs[0][:3]
+    assert all(a < b for a, b in zip(runs[6][3], runs[0][3])), (runs[6][3], runs[0][3])
+
+
 # ----------------------------------------------------------------------------- real models
 @pytest.mark.real
 def test_useless_member_loses_hedge_weight(smollm2: Member) -> None:
@@ -186,6 +202,17 @@ def test_copy_member_is_deterministic_and_well_formed(smollm2: Member) -> None:
     assert a.stats["final_weights"] == [0.5, 0.5]
     alone = SingleModel([smollm2], max_new_tokens=24).generate(PROMPT)
     assert alone.text.startswith(a.text.rsplit(" ", 1)[0])  # same greedy text, segment by segment
+
+
+@pytest.mark.real
+def test_prompt_lookup_keeps_the_real_pairs_segments(real_pair: list[Member]) -> None:
+    """On the real pair guessing tokens changes the drafters' passes, not the text."""
+    prompt = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
+    plain = SpecEMEnsemble(real_pair, max_new_tokens=40).generate(prompt)
+    looked = SpecEMEnsemble(real_pair, max_new_tokens=40, prompt_lookup=6).generate(prompt)
+    assert looked.text == plain.text and looked.stats["chosen"] == plain.stats["chosen"]
+    passes = [[m["forward_passes"] for m in r.stats["members"]] for r in (plain, looked)]
+    assert all(b < 0.8 * a for a, b in zip(*passes)), passes
 
 
 @pytest.mark.real

@@ -161,12 +161,13 @@ class MemberActor:
 
     def _op_draft_tokens(
         self, sid: int, state: DecodeState, limit: int, budget: int, sampling: tuple, generator: bytes | None,
-        confidence: float = 0.0,
+        confidence: float = 0.0, lookup: int = 0,
     ) -> tuple:
         from ..safe import draft_tokens
 
         gen = restore_generator(generator)
-        ids, rows = draft_tokens(state, limit, budget, sampling_config(*sampling), gen, confidence=confidence)
+        ids, rows = draft_tokens(state, limit, budget, sampling_config(*sampling), gen, confidence=confidence,
+                                 lookup=lookup)
         eos = self.member.eos_id_tensor
         probs = [rows.prob(j, t) for j, t in enumerate(ids)]
         last = len(ids) - 1
@@ -182,12 +183,14 @@ class MemberActor:
         return rows.argmax(), probs, masses, self._keep(sid, "window", rows)
 
     def _op_draft_segment(
-        self, sid: int, state: DecodeState, length: int, sampling: tuple, generator: bytes | None, stops: Sequence[str], tail: str
+        self, sid: int, state: DecodeState, length: int, sampling: tuple, generator: bytes | None, stops: Sequence[str],
+        tail: str, lookup: int = 0,
     ) -> tuple:
         from ..selection import draft_segment
 
         gen = restore_generator(generator)
-        ids, end, text, scores = draft_segment(state, length, sampling_config(*sampling), gen, stops, tail)
+        ids, end, text, scores = draft_segment(state, length, sampling_config(*sampling), gen, stops, tail,
+                                               lookup=lookup)
         return ids, end, text, generator_state(gen), scores
 
     def _op_score_candidates_inline(

@@ -236,11 +236,11 @@ class RemoteDecodeState:
 
     def draft_tokens(
         self, limit: int, budget: int, config: GenerationConfig, generator: torch.Generator | None,
-        confidence: float = 0.0,
+        confidence: float = 0.0, lookup: int = 0,
     ) -> tuple[list[int], RemoteRows]:
         """:func:`ensemble_core.safe.draft_tokens` in the actor: ids, their probabilities, the rows kept there."""
         ids, probs, masses, version, gen = self._call(
-            "draft_tokens", limit, budget, _sampling(config), generator_state(generator), confidence
+            "draft_tokens", limit, budget, _sampling(config), generator_state(generator), confidence, lookup
         )
         if generator is not None:
             generator.set_state(torch.frombuffer(bytearray(gen), dtype=torch.uint8))
@@ -264,6 +264,7 @@ class RemoteDecodeState:
         stops: Sequence[str],
         tail: str,
         grammar: Any = None,
+        lookup: int = 0,
     ) -> tuple[list[int], str | None, str, Any]:
         """:func:`ensemble_core.selection.draft_segment` in the actor (a SpecEM segment, on a cache branch)."""
         if grammar is not None:
@@ -273,7 +274,7 @@ class RemoteDecodeState:
                 "Use SAFE or every-token for constrained output with Ray members, or local members for SpecEM."
             )
         ids, end, text, gen, scores = self._call(
-            "draft_segment", length, _sampling(config), generator_state(generator), list(stops), tail
+            "draft_segment", length, _sampling(config), generator_state(generator), list(stops), tail, lookup
         )
         if generator is not None:
             generator.set_state(torch.frombuffer(bytearray(gen), dtype=torch.uint8))
