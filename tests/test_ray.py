@@ -109,6 +109,14 @@ def test_greedy_outputs_identical_to_local(remote_pair: list[RemoteMember], case
     assert held(remote_pair) == [0, 0]
 
 
+def test_prompt_lookup_drafts_next_to_the_cache(remote_pair: list[RemoteMember]) -> None:
+    """The guesses travel with the draft call: the actors draft the recorded text with them."""
+    name, method, idx, config = next(c for c in record.CASES if c[0] == "safe-unite-d0")
+    got = [record.run_case(remote_pair, method, idx, {**config, "prompt_lookup": 4}, p) for p in record.PROMPTS]
+    assert got == RECORDED["cases"][name]
+    assert held(remote_pair) == [0, 0]
+
+
 def test_streaming_and_adapters(real_pair: list[Member], remote_pair: list[RemoteMember]) -> None:
     from langchain_ensemble import ChatEnsemble
     from llama_index.llms.ensemble import EnsembleLLM
