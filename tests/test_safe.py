@@ -289,24 +289,22 @@ def test_draft_confidence_ends_drafts_after_an_unsure_token(smollm2: Member) -> 
 
 
 @pytest.mark.real
-def test_draft_confidence_keeps_the_drafters_greedy_tokens_in_more_rounds(real_pair: list[Member]) -> None:
-    """With consensus_threshold 0 SAFE writes the drafter's greedy text: shorter drafts change the rounds, not it."""
-    prompt = "Name three primary colors."
-    full = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=32), prompt)
-    short = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=32, draft_confidence=0.9), prompt)
-    assert list(short.views[0].tokens.ids) == list(full.views[0].tokens.ids) == greedy_ids(real_pair[0], prompt, 32)
-    assert short.counters.rounds > full.counters.rounds
-
-
-@pytest.mark.real
-def test_prompt_lookup_keeps_the_drafters_greedy_tokens_in_fewer_passes(real_pair: list[Member]) -> None:
-    """With consensus_threshold 0 SAFE writes the drafter's greedy text; guessing tokens must not change it."""
-    prompt = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
-    plain = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=40), prompt)
-    looked = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=40, prompt_lookup=4), prompt)
-    assert list(looked.views[0].tokens.ids) == list(plain.views[0].tokens.ids) == greedy_ids(real_pair[0], prompt, 40)
-    passes = [r.views[0].state.stats.forward_passes for r in (plain, looked)]
-    assert passes[1] < 0.8 * passes[0], passes
+@pytest.mark.parametrize("lever, prompt, tokens", [
+    ({"draft_confidence": 0.9}, "Name three primary colors.", 32),
+    ({"prompt_lookup": 4}, "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.", 40),
+])
+def test_drafting_levers_keep_the_drafters_greedy_tokens(real_pair: list[Member], lever: dict, prompt: str,
+                                                          tokens: int) -> None:
+    """With consensus_threshold 0 SAFE writes the drafter's greedy text: shorter drafts change the
+    rounds (``draft_confidence``), guessed tokens the drafter's passes (``prompt_lookup``), not the text."""
+    plain = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=tokens), prompt)
+    pulled = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=tokens, **lever), prompt)
+    assert list(pulled.views[0].tokens.ids) == list(plain.views[0].tokens.ids) == greedy_ids(real_pair[0], prompt, tokens)
+    if "draft_confidence" in lever:
+        assert pulled.counters.rounds > plain.counters.rounds
+    else:
+        passes = [r.views[0].state.stats.forward_passes for r in (plain, pulled)]
+        assert passes[1] < 0.8 * passes[0], passes
 
 
 @pytest.mark.real
