@@ -136,7 +136,8 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
     def step(self, request: _SelectRequest) -> Chunk:
         cfg, views = request.config, request.views
         t0 = time.perf_counter()
-        answers = run_all(lambda i: draft(views[i], i, cfg.max_new_tokens, cfg, request.stops, "", trim=False),
+        answers = run_all(lambda i: draft(views[i], i, cfg.max_new_tokens, cfg, request.stops, "", trim=False,
+                                             lookup=cfg.prompt_lookup),
                           request.drafters, request.parallel)
         t1 = time.perf_counter()
         request.answers, request.seconds["draft"] = answers, t1 - t0

@@ -132,7 +132,7 @@ def draft_tokens(state: Any, limit: int, budget: int, config: GenerationConfig, 
         if ahead:  # a guess missed: drop it and the guesses fed after it
             state.crop(base + len(ids) - 1)
             ahead = []
-        guesses = propose(state.ids + [token], min(lookup, limit - len(ids) - 1, budget - len(ids) - 1))
+        guesses = propose([*state.ids, token], min(lookup, limit - len(ids) - 1, budget - len(ids) - 1)) if lookup else []
         rows = state.score([token, *guesses])  # the last drafted token is fed next round (or cropped)
         row, ahead = rows[1], list(zip(guesses, rows[2:]))
     if len(state.ids) > base + len(ids) - 1:  # fed guesses past the draft's end (and its last token)

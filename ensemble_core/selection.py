@@ -39,7 +39,6 @@ from .verify_inline import (
     Mark,
     branch_feed,
     branch_marks,
-    branch_step,
     cache_branch,
     check_verifier,
     rewind,
@@ -292,18 +291,17 @@ def _find_stop(text: str, stops: Sequence[str]) -> int:
 
 @torch.inference_mode()
 def draft(view: MemberView, index: int, length: int, config: GenerationConfig, stops: Sequence[str], shared: str,
-          trim: bool = True) -> Candidate:
+          trim: bool = True, lookup: int = 0) -> Candidate:
     """Up to ``length`` tokens from ``view``'s context, as a cleaned segment of shared text.
 
     The draft runs on a cache branch (rewound afterwards): the state keeps its context
     and the row after it, which verification reuses. A draft stops at EOS, at a stop
     string (cut before it) or at ``length`` tokens (a few more if the last character is
-    unfinished).
+    unfinished). ``lookup``: prompt-lookup guesses per pass (``SelectionConfig.prompt_lookup``).
     """
     tail = shared[-max((len(s) for s in stops), default=1):] if stops else ""
     grammar = view.constraint  # a constrained request: draft under this member's own token mask
     mark = grammar.checkpoint() if grammar is not None else None
-    lookup = getattr(config, "prompt_lookup", 0)
     ids, end, text, scores = draft_segment(view.state, length, config, view.generator, stops, tail, grammar, lookup)
     if grammar is not None:
         grammar.restore(mark)  # the grammar follows the committed text, not this draft
@@ -341,7 +339,7 @@ def draft_segment(state: Any, length: int, config: GenerationConfig, generator: 
     kept: list[torch.Tensor] = []  # per row: its token's and ending's scores (row_scores)
     ahead: list[tuple[int, torch.Tensor]] = []  # fed guesses and the rows after them
     marks: list[Mark] = []  # the branch before the last pass with guesses
-    fed: list[int] = []  # that pass's guesses
+    fed = 0  # that pass's guesses
     with cache_branch(state):
         while True:
             raw = row
@@ -369,13 +367,11 @@ def draft_segment(state: Any, length: int, config: GenerationConfig, generator: 
                 row = ahead.pop(0)[1]
                 continue
             if ahead:  # a guess missed: cut it and the guesses after it off the branch
-                rewind(marks, 1 + len(fed) - len(ahead))  # the token and the guesses that came true
+                rewind(marks, 1 + fed - len(ahead))  # the token and the guesses that came true
                 ahead = []
-            guesses = propose(state.ids + ids, min(lookup, length - len(ids) - 1)) if lookup else []
-            if not guesses:
-                row = branch_step(state, token)
-                continue
-            marks, fed = branch_marks(state), guesses
+            guesses = propose([*state.ids, *ids], min(lookup, length - len(ids) - 1)) if lookup else []
+            if guesses:
+                marks, fed = branch_marks(state), len(guesses)
             rows = branch_feed(state, [token, *guesses])
             row, ahead = rows[0], list(zip(guesses, rows[1:]))
     if end != "stop":

@@ -195,7 +195,7 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
         for view in views:
             if view.constraint is not None:
                 view.constraint.set_budget(budget)  # closing pressure near the end (ensemble_core.closing)
-        candidates = run_all(lambda i: draft(views[i], i, length, cfg, request.stops, shared),
+        candidates = run_all(lambda i: draft(views[i], i, length, cfg, request.stops, shared, lookup=cfg.prompt_lookup),
                              request.drafters, request.parallel)
         t1 = time.perf_counter()
         request.seconds["draft"] += t1 - t0

@@ -179,12 +179,6 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | torch
 
 
 @torch.inference_mode()
-def branch_step(state: DecodeState, token: int) -> torch.Tensor:
-    """Next-token logits after appending ``token`` on a branch (the caller rewinds the branch)."""
-    return branch_feed(state, [token])[-1]
-
-
-@torch.inference_mode()
 def branch_feed(state: DecodeState, ids: Sequence[int]) -> torch.Tensor:
     """Next-token logits after each of ``ids``, appended on a branch in one pass: ``[len(ids), V]``."""
     return _forward(state, list(ids), len(ids))

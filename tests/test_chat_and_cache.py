@@ -79,7 +79,7 @@ def test_roomy_layer_appends_in_place_and_stays_exact() -> None:
     from transformers.cache_utils import DynamicLayer
 
     from ensemble_core.cache import RoomyLayer, new_cache
-    from ensemble_core.verify_inline import branch_step, cache_branch
+    from ensemble_core.verify_inline import branch_feed, cache_branch
 
     gen = torch.Generator().manual_seed(0)
     roomy, plain = RoomyLayer(room=4), DynamicLayer()
@@ -103,7 +103,7 @@ def test_roomy_layer_appends_in_place_and_stays_exact() -> None:
     for round_ in range(6):
         state.score()
         with cache_branch(state):
-            branch_step(state, 777)  # states written into the room, then rewound
+            branch_feed(state, [777])  # states written into the room, then rewound
         rows = state.score(torch.randint(200, 5000, (4,), generator=gen).tolist())
         assert torch.allclose(rows[-1], _full_logits(member, state.ids), atol=1e-4)
         state.crop(len(state.ids) - round_ % 3)
