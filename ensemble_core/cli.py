@@ -247,6 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             data_path=args.data_path, offset=args.offset, sequential_requests=args.sequential,
             stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop, out=str(out), threads=args.threads,
             warmup=not args.no_warmup, baseline_process=not args.inline_baseline, repeats=args.repeats,
+            method_config=parse_sets(args.set),
             command="ensemble " + " ".join(shlex.quote(a) for a in args.argv)))
         print((out / "throughput.md").read_text(encoding="utf-8"))
         print(f"Results in {out.resolve()}")

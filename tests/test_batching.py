@@ -446,6 +446,30 @@ def test_each_throughput_level_brackets_its_own_baseline(llama: Member, monkeypa
         ThroughputOptions(repeats=0)
 
 
+def test_throughput_method_config_reaches_both_sides(llama: Member) -> None:
+    """``--set`` overrides (``method_config``) configure the batched ensemble and the one-by-one
+    baseline alike (they were dropped under ``--throughput``: the run measured the published
+    settings whatever was asked); a typo or a bad value fails before anything loads."""
+    from ensemble_core.bench.throughput import ThroughputOptions, markdown, measure_method
+    from ensemble_core.errors import ConfigurationError
+
+    options = ThroughputOptions(methods=("single",), concurrency=(2,), max_new_tokens=6, warmup=False,
+                                method_config={"single": {"max_new_tokens": 2}})
+    level = measure_method("single", [llama], PROMPTS[:2], options)["levels"]["2"]
+    # the batched side wrote what a 2-token request writes; the baseline's texts equal them
+    short = Ensemble([llama], method="single", max_new_tokens=2, stop=options.stop, batching=False)
+    assert level["tokens"] == sum(short.generate(p).completion_tokens for p in PROMPTS[:2])
+    assert level["identical_outputs"] == 2
+    assert "Method config (both sides): `{\"single\": {\"max_new_tokens\": 2}}`" in markdown(
+        {"meta": {"options": {"method_config": options.method_config}}, "results": {}, "targets": []})
+    with pytest.raises(ConfigurationError, match="lookahed"):
+        ThroughputOptions(methods=("safe",), method_config={"*": {"lookahed": 4}})
+    with pytest.raises(InvalidOptionError, match="--set prefix"):
+        ThroughputOptions(methods=("safe",), method_config={"safer": {"lookahead": 4}})
+    with pytest.raises(ConfigurationError, match="prompt_lookup"):
+        ThroughputOptions(methods=("safe",), method_config={"safe": {"prompt_lookup": -1}})
+
+
 def test_throughput_baseline_runs_in_its_own_process(llama: Member, tmp_path) -> None:
     """``run_throughput`` loads the members by name in a worker process for the one-by-one
     baseline (a shared process charged the batched run for the baseline's leftovers); the

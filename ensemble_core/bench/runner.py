@@ -12,7 +12,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -246,24 +246,27 @@ def _config_fields(method: str) -> set[str]:
     return {f.name for f in dataclasses.fields(method_class(method).config_class)}
 
 
-def _overrides(method: str, options: BenchOptions) -> dict[str, Any]:
-    """Config overrides for ``method``: ``*`` entries where the field exists, then the method's own."""
+def method_overrides(method: str, method_config: Mapping[str, Mapping[str, Any]],
+                     stop: Sequence[str] = ()) -> dict[str, Any]:
+    """Config overrides for ``method`` from ``--set`` entries (``{"*": {...}, "safe": {...}}``):
+    the ``*`` ones where ``method``'s config has the field, then the method's own; ``stop``
+    when given."""
     fields = _config_fields(method)
-    chosen = {k: v for k, v in options.method_config.get("*", {}).items() if k in fields}
-    chosen.update(options.method_config.get(method, {}))
-    if options.stop:
-        chosen["stop"] = tuple(options.stop)
+    chosen = {k: v for k, v in method_config.get("*", {}).items() if k in fields}
+    chosen.update(method_config.get(method, {}))
+    if stop:
+        chosen["stop"] = tuple(stop)
     return chosen
 
 
-def check_available(options: BenchOptions) -> None:
-    """Raise early for ``--set`` names no requested method knows (a typo would otherwise be silent)."""
-    for key, values in options.method_config.items():
+def check_method_config(method_config: Mapping[str, Mapping[str, Any]], methods: Sequence[str],
+                        prefixes: Sequence[str]) -> None:
+    """Raise early for ``--set`` entries nothing would use (a typo would otherwise be silent):
+    a plain key that no config of ``methods`` has, or a ``method.`` prefix outside ``prefixes``."""
+    for key, values in method_config.items():
         if key == "*":
             known: set[str] = set()
-            for m in options.methods:
-                if m == "single":
-                    continue
+            for m in methods:
                 try:
                     known |= _config_fields(m)
                 except ConfigurationError:
@@ -273,8 +276,14 @@ def check_available(options: BenchOptions) -> None:
                 raise ConfigurationError(
                     f"--set {', '.join(unknown)}: no benchmarked method has such a config field; "
                     f"known: {', '.join(sorted(known))}.")
-        elif key not in ALL_METHODS or key == "single":
-            raise InvalidOptionError("--set prefix", key, "a method name among " + ", ".join(ALL_METHODS[1:]))
+        elif key not in prefixes:
+            raise InvalidOptionError("--set prefix", key, "a method name among " + ", ".join(prefixes))
+
+
+def check_available(options: BenchOptions) -> None:
+    """Raise early for ``--set`` entries no requested method uses (the single rows run the
+    members through transformers directly: no method config reaches them)."""
+    check_method_config(options.method_config, [m for m in options.methods if m != "single"], ALL_METHODS[1:])
 
 
 def build_rows(members: list[Member], options: BenchOptions) -> list[Row]:
@@ -298,7 +307,7 @@ def build_rows(members: list[Member], options: BenchOptions) -> list[Row]:
                 add(f"single[{m.name}]", "single", lambda m=m: HFSingleRunner(m, options.stop, l_tokens), member=m.name)
             continue
         try:
-            base = _overrides(method, options)
+            base = method_overrides(method, options.method_config, options.stop)
         except ConfigurationError as exc:
             rows.append(Row(method, method, skipped=str(exc)))
             continue

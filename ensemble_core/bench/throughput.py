@@ -36,7 +36,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +44,13 @@ import torch
 
 from ..batching import BatchingConfig
 from ..datasets import cot_prompt, load_dataset
-from ..ensemble import Ensemble, resolve_members
+from ..ensemble import METHODS, Ensemble, method_class, resolve_members
 from ..errors import EnsembleError, InvalidOptionError
 from ..members import Member, MemberSpec, per_member_options
 from ..products import is_prepacked
 from .records import jsonable
 from .report import cpu_ticks, hardware, member_layouts, steal_share
+from .runner import check_method_config, method_overrides
 from .targets import load_targets
 
 THROUGHPUT_METHODS = ("single", "safe", "specem")
@@ -91,6 +92,10 @@ class ThroughputOptions:
     #: hypervisor steal in the slower ones); the spread of repeats in one run says how far a
     #: verdict can be trusted.
     repeats: int = 1
+    #: Method config overrides, as ``ensemble bench --set``: ``{"*": {...}}`` for every method
+    #: whose config has the field, ``{"safe": {...}}`` for one (e.g. SAFE's ``prompt_lookup``).
+    #: Both sides of every level run with them: the speed-up compares batching, not settings.
+    method_config: dict[str, dict[str, Any]] = field(default_factory=dict)
     command: str = ""
 
     def __post_init__(self) -> None:
@@ -103,6 +108,10 @@ class ThroughputOptions:
             raise InvalidOptionError("methods", [], "at least one method")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise InvalidOptionError("repeats", self.repeats, "an integer >= 1")
+        self.method_config = {key: dict(values) for key, values in (self.method_config or {}).items()}
+        check_method_config(self.method_config, self.methods, tuple(METHODS))
+        for method in self.methods:  # a bad value fails here, before any member loads
+            method_class(method).config_class().replace(**method_overrides(method, self.method_config))
 
 
 def _members_for(method: str, members: list[Member]) -> list[Member]:
@@ -244,7 +253,8 @@ def measure_method(method: str, members: list[Member], prompts: list[Any], optio
     every level (the caller writes partial results).
     """
     ms = _members_for(method, members)
-    common = {"max_new_tokens": options.max_new_tokens, "stop": tuple(options.stop)}
+    common = {"max_new_tokens": options.max_new_tokens, "stop": tuple(options.stop),
+              **method_overrides(method, options.method_config)}
     if specs is not None and options.baseline_process:
         alone: InlineBaseline | ProcessBaseline = ProcessBaseline(
             _members_for(method, list(specs)), method, common, options.threads, options.warmup)
@@ -375,7 +385,9 @@ def _stolen(steal: dict[str, float | None] | None) -> str:
 
 def markdown(summary: dict[str, Any]) -> str:
     """The throughput table, the latency cost, the per-member pass costs and the targets."""
-    lines = ["| method | concurrent | tok/s batched | tok/s one by one | speed-up | mean latency batched / alone (s) "
+    config = summary.get("meta", {}).get("options", {}).get("method_config")
+    lines = [f"Method config (both sides): `{json.dumps(config, sort_keys=True)}`", ""] if config else []
+    lines += ["| method | concurrent | tok/s batched | tok/s one by one | speed-up | mean latency batched / alone (s) "
              "| model calls / rows | ms per call (per member) | identical outputs | CPU stolen batched / alone |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for method, res in summary["results"].items():
