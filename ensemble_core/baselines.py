@@ -29,6 +29,7 @@ from .distributions import (
 )
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
+from .lookup import guesses_now
 from .members import Member
 from .rows import next_row
 from .selection import (
@@ -136,8 +137,9 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
     def step(self, request: _SelectRequest) -> Chunk:
         cfg, views = request.config, request.views
         t0 = time.perf_counter()
+        lookup = guesses_now(cfg.prompt_lookup, cfg.prompt_lookup_max_requests)
         answers = run_all(lambda i: draft(views[i], i, cfg.max_new_tokens, cfg, request.stops, "", trim=False,
-                                             lookup=cfg.prompt_lookup),
+                                             lookup=lookup),
                           request.drafters, request.parallel)
         t1 = time.perf_counter()
         request.answers, request.seconds["draft"] = answers, t1 - t0

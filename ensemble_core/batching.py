@@ -226,6 +226,17 @@ def current() -> Binding | None:
     return getattr(_LOCAL, "binding", None)
 
 
+def concurrent_requests() -> int:
+    """How many requests decode together with this thread's, itself included (1: unbatched or alone).
+
+    Why: a lever that trades extra tokens per pass for fewer passes (prompt lookup) pays while
+    passes are bound by reading the weights, i.e. for few rows; with many rows per pass the
+    extra tokens are compute, so a method asks this before choosing how many to feed.
+    """
+    binding = current()
+    return 1 if binding is None else binding.batcher.requests
+
+
 def member_threads(count: int) -> Any:
     """Context manager for a request about to run ``count`` member threads (see :meth:`Batcher.threads`).
 
@@ -272,6 +283,12 @@ class Batcher:
         self._slabs: weakref.WeakKeyDictionary[Any, Slab] = weakref.WeakKeyDictionary()
 
     # ---------------------------------------------------------------- requests
+    @property
+    def requests(self) -> int:
+        """Requests decoding now (joined, not paused, not left)."""
+        with self._cond:
+            return len(self._participants)
+
     def join(self) -> Participant:
         """A new request, active from now on (a stream joins when it starts)."""
         participant = Participant(active=1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .batching import concurrent_requests
 from .errors import InvalidOptionError
 
 #: Longest n-gram matched (then shorter ones): 3 tokens pin a phrase, 1 still finds a number.
@@ -45,3 +46,26 @@ def check_prompt_lookup(value: object) -> None:
     """The ``prompt_lookup`` option of the drafting methods (SAFE, SpecEM, generate-then-select)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidOptionError("prompt_lookup", value, "an integer >= 0 (0: one token per pass)")
+
+
+def check_lookup_max_requests(value: object) -> None:
+    """The ``prompt_lookup_max_requests`` option (see :func:`guesses_now`)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise InvalidOptionError("prompt_lookup_max_requests", value,
+                                 "an integer >= 1, or None to guess at any number of concurrent requests")
+
+
+def guesses_now(prompt_lookup: int, max_requests: int | None) -> int:
+    """How many guesses a drafter feeds per pass now: ``prompt_lookup`` while at most
+    ``max_requests`` requests decode together (this one included), else 0.
+
+    Why: guesses are free only while a pass is bound by reading the weights. Batched with
+    other requests a pass is bound by compute, and every guess is a token computed for each
+    row; with 8 concurrent SAFE requests on a 2-core CPU, 4 guesses per pass cut the batched
+    throughput (docs/benchmarks.md, "Prompt lookup under batching"). vLLM turns speculative
+    decoding off above a batch size for the same reason. Switching does not change the draft
+    (each token is chosen from the drafter's own row either way).
+    """
+    if prompt_lookup == 0 or max_requests is None:
+        return prompt_lookup
+    return prompt_lookup if concurrent_requests() <= max_requests else 0

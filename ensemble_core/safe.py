@@ -72,7 +72,7 @@ from .distributions import (
 )
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod, GenerationConfig, choose_token, make_generator
-from .lookup import check_prompt_lookup, propose
+from .lookup import check_lookup_max_requests, check_prompt_lookup, guesses_now, propose
 from .members import Member
 from .rows import TensorRows, delegate, window_probs
 from .stats import MemberStats, SafeStats
@@ -164,7 +164,9 @@ class SafeConfig(GenerationConfig):
     ``prompt_lookup``: the drafter also feeds up to this many tokens guessed from its own
     context (:mod:`~ensemble_core.lookup`; transformers' ``prompt_lookup_num_tokens``) in
     each pass and keeps those it chooses anyway: the same draft in fewer drafter passes
-    (0: one token per pass, as published).
+    (0: one token per pass, as published). ``prompt_lookup_max_requests``: guess only while at
+    most this many requests decode together (None: always); guesses cost compute in a batched
+    pass, where the 8-request throughput fell with them (see :func:`~ensemble_core.lookup.guesses_now`).
     """
 
     drafter: int = 0
@@ -177,11 +179,13 @@ class SafeConfig(GenerationConfig):
     fusion_weights: Any = None
     draft_confidence: float = 0.0
     prompt_lookup: int = 0
+    prompt_lookup_max_requests: int | None = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_int("drafter", self.drafter, 0)
         check_prompt_lookup(self.prompt_lookup)
+        check_lookup_max_requests(self.prompt_lookup_max_requests)
         c = self.draft_confidence
         if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0.0 <= c < 1.0:
             raise InvalidOptionError("draft_confidence", c, "a number in [0, 1) (0: drafts of lookahead tokens)")
@@ -342,7 +346,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         if grammar is not None:
             grammar.set_budget(budget)  # closing pressure near the end (ensemble_core.closing)
         ids, probs = draft_tokens(state, limit, budget, config, request.generator, grammar, config.draft_confidence,
-                                  config.prompt_lookup)
+                                  guesses_now(config.prompt_lookup, config.prompt_lookup_max_requests))
         eos = ids[-1] in member.eos_token_ids
         text_ids = ids[:-1] if eos else ids
         pieces: list[str | None] = []

@@ -31,7 +31,7 @@ from . import alignment, batching
 from .alignment import PARTIAL_CHAR_TOKENS, REPLACEMENT_CHAR, Tokenized, decode_suffix
 from .errors import ConfigurationError, InvalidOptionError
 from .generation import GenerationConfig, choose_token
-from .lookup import check_prompt_lookup, propose
+from .lookup import check_lookup_max_requests, check_prompt_lookup, propose
 from .members import Member
 from .rows import delegate
 from .verify_inline import (
@@ -74,7 +74,9 @@ class SelectionConfig(GenerationConfig):
     they sit on different devices, or on a multi-core CPU). ``prompt_lookup``: each drafter
     also feeds up to this many tokens guessed from its own context per pass
     (:mod:`~ensemble_core.lookup`) and keeps those it chooses anyway: the same candidates in
-    fewer passes (0: one token per pass).
+    fewer passes (0: one token per pass). ``prompt_lookup_max_requests``: guess only while at
+    most this many requests decode together (None: always; see
+    :func:`~ensemble_core.lookup.guesses_now`).
     """
 
     scoring: str = "logprob"
@@ -83,10 +85,12 @@ class SelectionConfig(GenerationConfig):
     verifiers: tuple[int | str, ...] | None = None
     parallel: bool | None = None
     prompt_lookup: int = 0
+    prompt_lookup_max_requests: int | None = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_prompt_lookup(self.prompt_lookup)
+        check_lookup_max_requests(self.prompt_lookup_max_requests)
         if self.scoring not in SCORING_KINDS:
             raise InvalidOptionError("scoring", self.scoring, "one of " + ", ".join(SCORING_KINDS))
         if self.normalization not in NORMALIZATIONS:

@@ -52,6 +52,7 @@ from typing import Any
 from .chat import Prompt
 from .errors import InvalidOptionError
 from .generation import Chunk, EnsembleMethod
+from .lookup import guesses_now
 from .members import Member
 from .selection import (
     Candidate,
@@ -195,7 +196,9 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
         for view in views:
             if view.constraint is not None:
                 view.constraint.set_budget(budget)  # closing pressure near the end (ensemble_core.closing)
-        candidates = run_all(lambda i: draft(views[i], i, length, cfg, request.stops, shared, lookup=cfg.prompt_lookup),
+        # asked in the request's thread: the drafting pool's threads have no binding
+        lookup = guesses_now(cfg.prompt_lookup, cfg.prompt_lookup_max_requests)
+        candidates = run_all(lambda i: draft(views[i], i, length, cfg, request.stops, shared, lookup=lookup),
                              request.drafters, request.parallel)
         t1 = time.perf_counter()
         request.seconds["draft"] += t1 - t0

@@ -92,6 +92,43 @@ def test_concurrent_single_requests_share_forward_passes(llama: Member) -> None:
     assert calls * 3 <= rows, (calls, rows)  # 8 requests in lock step: about one call per token for all of them
 
 
+@pytest.mark.parametrize("method", ["safe", "specem"])
+def test_prompt_lookup_guesses_only_while_few_requests_decode(method: str, llama: Member, gemma: Member) -> None:
+    """Guessed tokens are compute in a batched pass (8 SAFE requests lost throughput with them),
+    so by default (``prompt_lookup_max_requests=1``) a drafter guesses only while its request
+    decodes alone; None guesses at any load. The texts are the unbatched ones either way."""
+    prompts = [f"Repeat: {w} {w} {w} {w} {w} {w} {w} {w} {w} {w}." for w in ("la", "do", "mi", "so")]
+    options = {"max_new_tokens": 16, "prompt_lookup": 4}
+    alone = Ensemble([llama, gemma], method=method, batching=False, **options)
+    expected = [alone.generate(p).text for p in prompts]
+    passes = {}
+    for limit in (1, None):
+        together = Ensemble([llama, gemma], method=method, prompt_lookup_max_requests=limit, **options)
+        results = together.batch(prompts)
+        assert [r.text for r in results] == expected
+        passes[limit] = total_rows_fed(results)
+    assert passes[None] < passes[1]  # guesses saved passes only where they were allowed
+
+
+def test_guesses_now_counts_the_requests_decoding_together() -> None:
+    from ensemble_core.batching import Binding, bound, concurrent_requests
+    from ensemble_core.lookup import check_lookup_max_requests, guesses_now
+
+    assert concurrent_requests() == 1 and guesses_now(4, 1) == 4  # unbatched: alone
+    batcher = Batcher()
+    first = batcher.join()
+    with bound(Binding(batcher, first)):
+        assert concurrent_requests() == 1 and guesses_now(4, 1) == 4
+        second = batcher.join()
+        assert concurrent_requests() == 2 and guesses_now(4, 1) == 0 and guesses_now(4, 2) == 4
+        assert guesses_now(4, None) == 4 and guesses_now(0, 1) == 0
+        batcher.pause(second)  # a stream waiting for its consumer does not decode
+        assert guesses_now(4, 1) == 4
+    for bad in (0, True, 1.5):
+        with pytest.raises(InvalidOptionError, match="prompt_lookup_max_requests"):
+            check_lookup_max_requests(bad)
+
+
 def test_rows_finish_early_stop_per_row_and_are_unaffected(llama: Member, gemma: Member) -> None:
     calls = [(PROMPTS[i], {"max_new_tokens": n}) for i, n in enumerate([2, 5, 9, 14])]
     calls += [(PROMPTS[4], {"max_new_tokens": 14, "stop": ["e"]}), (PROMPTS[5], {"max_new_tokens": 14, "stop": ["a", "o"]})]

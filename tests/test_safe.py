@@ -124,6 +124,7 @@ def check_result(result: GenerationResult, max_new_tokens: int) -> None:
     ("top_k", 0), ("consensus_threshold", 1.5), ("consensus_threshold", "high"), ("sharpening", "max"),
     ("margin", -1), ("max_new_tokens", 0), ("draft_confidence", 1.0), ("draft_confidence", -0.1),
     ("draft_confidence", "0.5"), ("prompt_lookup", -1), ("prompt_lookup", 2.5), ("prompt_lookup", True),
+    ("prompt_lookup_max_requests", 0), ("prompt_lookup_max_requests", "1"),
 ])
 def test_bad_config_values_raise_typed_errors(option: str, value: Any) -> None:
     with pytest.raises(InvalidOptionError) as err:
