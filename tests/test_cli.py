@@ -49,6 +49,10 @@ def test_bad_input_exits_2_with_a_clear_message_before_loading(tmp_path: Path, c
     assert "Invalid value for 'lookahead'" in capsys.readouterr().err
     assert main(["generate", "--prompt", "hi", "--set", "segmnt_length=3"]) == 2
     assert "segmnt_length" in capsys.readouterr().err
+    # --set reaches --throughput's options (it was dropped there): checked before any member loads
+    assert main(["bench", "--throughput", "--methods", "safe", "--set", "safe.prompt_lookup=-1",
+                 "--out", str(tmp_path / "throughput")]) == 2
+    assert "prompt_lookup" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate"])  # argparse: --prompt or --chat-file is required
 
