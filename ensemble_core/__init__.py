@@ -4,11 +4,16 @@ No LangChain or LlamaIndex import lives here; the adapters in ``integrations/`` 
 :class:`Ensemble`.
 """
 
-from .alignment import Tokenized, encode_continuation, is_common_boundary, tokenize
-from .bundled import BUNDLED
-from .chat import FALLBACK_TEMPLATE, normalize_messages
-from .ensemble import DEFAULT_MEMBERS, METHODS, Ensemble, method_class, resolve_members
-from .errors import (
+from ensemble_core.decoding.generation import (
+    Chunk,
+    EnsembleMethod,
+    GenerationConfig,
+    GenerationResult,
+    GenerationStream,
+)
+from ensemble_core.decoding.members import DecodeState, Member
+from ensemble_core.ensemble import DEFAULT_MEMBERS, Ensemble, resolve_members
+from ensemble_core.errors import (
     ConfigurationError,
     EnsembleError,
     GenerationCancelled,
@@ -24,8 +29,11 @@ from .errors import (
     UnsupportedContentError,
     UnsupportedModelError,
 )
-from .generation import Chunk, EnsembleMethod, GenerationConfig, GenerationResult, GenerationStream
-from .members import DecodeState, Member, MemberSpec
+from ensemble_core.methods import METHODS, method_class
+from ensemble_core.models.bundled import BUNDLED
+from ensemble_core.models.loading import MemberSpec
+from ensemble_core.text.alignment import Tokenized, encode_continuation, is_common_boundary, tokenize
+from ensemble_core.text.chat import FALLBACK_TEMPLATE, normalize_messages
 
 __version__ = "0.1.0"
 

@@ -23,86 +23,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .datasets import DATASETS, cot_prompt
-from .ensemble import DEFAULT_MEMBERS, METHODS, Ensemble, method_class, resolve_members
-from .errors import ConfigurationError, EnsembleError, InputError, InvalidOptionError
-from .members import Member, per_member_options
-from .quantize import SCHEMES
-from .server.cli import add_serve_parser
+from ensemble_core.bench.datasets import DATASETS, cot_prompt
+from ensemble_core.ensemble import DEFAULT_MEMBERS, Ensemble
+from ensemble_core.errors import ConfigurationError, EnsembleError, InputError, InvalidOptionError
+from ensemble_core.flags import add_member_flags, load_members, parse_sets, parse_value, prepack_flag
+from ensemble_core.methods import METHODS, method_class
+from ensemble_core.server.cli import add_serve_parser
 
 DEMO_QUESTION = "A farmer has 12 cows. He buys 7 more cows and then sells 4. How many cows does the farmer have now?"
 #: The base model of the bundled pair otherwise goes on to invent the next "Question:".
 DEMO_STOP = ("\nQuestion:",)
 
 
-# ---------------------------------------------------------------------------- parsing helpers
-def parse_value(text: str) -> Any:
-    """A ``--set`` value: JSON when it parses (numbers, true/false/null, lists, quoted strings), else the raw string."""
-    lowered = {"true": True, "false": False, "none": None, "null": None}
-    if text.lower() in lowered:
-        return lowered[text.lower()]
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def parse_sets(items: Sequence[str] | None) -> dict[str, dict[str, Any]]:
-    """``["lookahead=3", "specem.segment_length=8"]`` → ``{"*": {"lookahead": 3}, "specem": {"segment_length": 8}}``."""
-    out: dict[str, dict[str, Any]] = {}
-    for item in items or ():
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise InvalidOptionError("--set", item, "key=value (or method.key=value)")
-        method, dot, name = key.rpartition(".")
-        out.setdefault(method if dot else "*", {})[name.replace("-", "_")] = parse_value(value)
-    for values in out.values():
-        if isinstance(values.get("stop"), list):
-            values["stop"] = tuple(values["stop"])
-    return out
-
-
-def member_options(args: argparse.Namespace, count: int) -> list[dict[str, Any]]:
-    """Per-member load options from ``--device``, ``--dtype``, ``--quantize`` (one for all or one each), ``--prepack``."""
-    return per_member_options(count, args.dtype, args.device or (), args.quantize or (), prepack_flag(args.prepack))
-
-
-def prepack_flag(value: str) -> bool | None:
-    """``--prepack auto|on|off`` as ``MemberSpec.prepack`` (None: when the copy fits in memory)."""
-    return {"auto": None, "on": True, "off": False}[value]
-
-
-def load_members(args: argparse.Namespace) -> list[Member]:
-    names = list(args.members or DEFAULT_MEMBERS)
-    return [resolve_members([name], **opts)[0] for name, opts in zip(names, member_options(args, len(names)))]
-
-
-def _add_member_flags(p: argparse.ArgumentParser, default_members: bool = True) -> None:
-    p.add_argument("--members", nargs="+", metavar="MEMBER", default=None,
-                   help="aliases, local directories, .gguf files or Hugging Face ids "
-                        f"(default: {' '.join(DEFAULT_MEMBERS)})")
-    add_load_flags(p)
-
-
-def add_load_flags(p: argparse.ArgumentParser) -> None:
-    """``--device``, ``--dtype``, ``--quantize``, ``--prepack``: how members load (read by :func:`member_options`)."""
-    p.add_argument("--device", nargs="+", metavar="DEVICE", default=None,
-                   help="one device for all members or one per member, e.g. --device cuda:0 cuda:1 (default cpu)")
-    p.add_argument("--dtype", nargs="+", default=["auto"], choices=["auto", "float32", "float16", "bfloat16"],
-                   help="one dtype for all members or one per member (auto: float32 on CPU, bfloat16 on GPU; "
-                        "on a CPU with native bf16, AVX512-BF16 or AMX, bfloat16 is faster: docs/benchmarks.md)")
-    p.add_argument("--quantize", nargs="+", metavar="SCHEME", default=None, choices=["none", *SCHEMES],
-                   help="one scheme for all members or one per member, e.g. --quantize none int8: int8 makes a "
-                        "CPU member's linear layers dynamic int8 (faster, different greedy outputs)")
-    p.add_argument("--prepack", default="auto", choices=["auto", "on", "off"],
-                   help="a second, prepacked copy of a float32 CPU member's linear weights makes passes of several "
-                        "tokens 1.2-2x faster with the same outputs (auto: when it fits easily in memory)")
-
-
 # ---------------------------------------------------------------------------- output helpers
 def format_stats(stats: dict[str, Any]) -> list[str]:
-    """Readable lines for a method's stats dict (see :mod:`ensemble_core.stats`; E/T first when reported)."""
+    """Readable lines for a method's stats dict (see :mod:`ensemble_core.decoding.stats`; E/T first when reported)."""
     lines = []
     if "e_t" in stats:
         lines.append(f"E/T (ensembled / total tokens): {stats['e_t']:.1%}")
@@ -232,11 +167,11 @@ def _index_subset(text: str) -> tuple[int, ...]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import ALL_METHODS, BenchOptions, run_bench
+    from ensemble_core.bench import ALL_METHODS, BenchOptions, run_bench
 
     members = list(args.members or DEFAULT_MEMBERS)
     if args.throughput:
-        from .bench.throughput import THROUGHPUT_METHODS, ThroughputOptions, run_throughput
+        from ensemble_core.bench.throughput import THROUGHPUT_METHODS, ThroughputOptions, run_throughput
 
         methods = THROUGHPUT_METHODS if args.methods == list(ALL_METHODS) else tuple(args.methods)
         out = Path(args.out if args.out != "results/bench" else "results/throughput")
@@ -273,19 +208,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import ALL_METHODS
+    from ensemble_core.bench import ALL_METHODS
 
     parser = argparse.ArgumentParser(prog="ensemble", description="Training-free LLM ensembles (SAFE, SpecEM).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="the bundled pair answers one question alone and as a SAFE ensemble")
-    _add_member_flags(p)
+    add_member_flags(p)
     p.add_argument("--question", default=None, help="question to ask (default: a short arithmetic word problem)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("generate", help="generate with any members and method")
-    _add_member_flags(p)
+    add_member_flags(p)
     p.add_argument("--method", default="safe", choices=sorted(METHODS))
     p.add_argument("--max-new-tokens", type=int, default=256)
     src = p.add_mutually_exclusive_group(required=True)
@@ -305,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="benchmark methods on a dataset (interleaved per question)")
-    _add_member_flags(p)
+    add_member_flags(p)
     p.add_argument("--dataset", default="gsm8k", choices=sorted(DATASETS))
     p.add_argument("--data-path", default=None, help="GSM8K test.jsonl to read instead of the vendored copy")
     p.add_argument("--limit", type=int, default=20)

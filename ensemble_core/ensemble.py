@@ -8,41 +8,23 @@ registry. The LangChain and LlamaIndex adapters are thin wrappers around this cl
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .batching import batching_config
-from .chat import Prompt
-from .errors import ConfigurationError, InvalidOptionError, NoMembersError
-from .generation import EnsembleMethod, GenerationResult, GenerationStream
-from .members import Member, MemberSpec
-from .remote import RayMemberSpec, RayOptions, RemoteMember
+from ensemble_core.decoding.generation import EnsembleMethod, GenerationResult, GenerationStream
+from ensemble_core.decoding.members import Member
+from ensemble_core.decoding.scheduler import batching_config
+from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
+from ensemble_core.methods import method_class
+from ensemble_core.models.loading import MemberSpec
+from ensemble_core.remote import RayMemberSpec, RayOptions, RemoteMember
+from ensemble_core.text.chat import Prompt
 
-#: method name → "module:Class". Imported lazily so a method's module loads only when used.
-METHODS: dict[str, str] = {
-    "single": "ensemble_core.baselines:SingleModel",
-    "safe": "ensemble_core.safe:SafeEnsemble",
-    "every-token": "ensemble_core.baselines:EveryTokenEnsemble",
-    "specem": "ensemble_core.specem:SpecEMEnsemble",
-    "generate-then-select": "ensemble_core.baselines:GenerateThenSelect",
-}
 DEFAULT_MEMBERS = ("smollm2-135m-instruct", "gemma3-270m")
 
 MemberLike = Any  # str | PathLike | MemberSpec | RayMemberSpec | Member | tuple[model, tokenizer]
 BACKENDS = ("local", "ray")
-
-
-def method_class(name: str) -> type[EnsembleMethod]:
-    """The class registered for ``name`` (see :data:`METHODS`)."""
-    if name not in METHODS:
-        raise InvalidOptionError("method", name, "one of " + ", ".join(sorted(METHODS)))
-    module, _, attr = METHODS[name].partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigurationError(f"The method {name!r} is not available in this installation: {exc}") from exc
 
 
 def resolve_member(item: MemberLike, ray_options: RayOptions | dict | None = None, **options: Any) -> Member:
@@ -128,8 +110,8 @@ class Ensemble:
     Extra keyword arguments are the method's config fields (``max_new_tokens``,
     ``lookahead``, ``segment_length``, ...); ``member_options`` (dtype, device,
     device_map, ...) apply to members given by name. ``batching`` (on by default; ``False``,
-    a dict or a :class:`~ensemble_core.batching.BatchingConfig`) lets concurrent requests
-    share forward passes (:mod:`ensemble_core.batching`). ``backend="ray"`` runs every
+    a dict or a :class:`~ensemble_core.decoding.scheduler.BatchingConfig`) lets concurrent requests
+    share forward passes (:mod:`ensemble_core.decoding.scheduler`). ``backend="ray"`` runs every
     member in its own Ray actor; ``ray_options`` (:class:`RayOptions` or a dict of its
     fields) says how to reach Ray and what each member takes; :class:`RayMemberSpec`
     members place single members (docs/scaling.md). :meth:`close` gives the actors back.

@@ -10,23 +10,32 @@ or one of the families (configuration, model loading, input, cancellation)::
     │   ├── InvalidOptionError
     │   ├── NoMembersError
     │   ├── UnsupportedAttentionError
-    │   └── UnsupportedModelError
+    │   ├── UnsupportedModelError
+    │   └── UnsupportedTokenizerError
     ├── ModelLoadError (RuntimeError)
     │   ├── UnknownAliasError (KeyError)
     │   └── MissingDependencyError (ImportError)
     ├── InputError (ValueError)
     │   ├── PromptTooLongError
-    │   └── UnsupportedContentError
+    │   ├── UnsupportedContentError
+    │   ├── StateLostError
+    │   ├── UnsupportedParameterError
+    │   └── ConstraintError
+    │       ├── InvalidSchemaError
+    │       └── UnknownToolError (KeyError)
     ├── GenerationCancelled
-    │   └── GenerationTimeout (TimeoutError)
-    └── MemberUnavailableError (RuntimeError)
+    │   ├── GenerationTimeout (TimeoutError)
+    │   └── ClientDisconnected
+    ├── MemberUnavailableError (RuntimeError)
+    └── ApiError
 
-The modules that raise an error re-export it where it was defined before (for example
-``ensemble_core.runtime.GenerationTimeout``), so older imports keep working.
+Every exception class of the library is defined here and nowhere else (the architecture
+test checks it); import them from ``ensemble_core`` or ``ensemble_core.errors``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -203,3 +212,42 @@ class MemberUnavailableError(EnsembleError, RuntimeError):
             "or raise RayOptions.call_timeout_s for slow models."
         )
         super().__init__(f"Member {member!r} on Ray node {node} {reason}. {hint}")
+
+
+class StateLostError(InputError):
+    """A Ray member's actor holds no decoding state of that id: it was restarted (or the state freed).
+
+    Raised inside the actor; the caller (:mod:`ensemble_core.remote.cluster`) turns it into
+    :class:`MemberUnavailableError`, which says what to do.
+    """
+
+
+class ApiError(EnsembleError):
+    """An error answer of ``ensemble serve``, in OpenAI's shape (``status``, ``type``, ``param``, ``code``).
+
+    The server (:mod:`ensemble_core.server.app`) maps every other error to one of these
+    (``api_error``) and sends :meth:`body` with ``status``; an OpenAI client raises its own
+    typed error from it (``BadRequestError`` for 400, ...).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class UnsupportedParameterError(InputError):
+    """A request field the server or the core cannot honour (the server's 400 ``unsupported_parameter``)."""
+
+    def __init__(self, param: str, why: str) -> None:
+        self.param = param
+        super().__init__(f"Unsupported parameter {param!r}: {why}.")
+
+
+class ClientDisconnected(GenerationCancelled):
+    """The HTTP client went away before its answer was complete (the server stops that generation)."""

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .bundled import BUNDLED, convert_gguf
-from .members import Member
-from .products import use_cpu_products
+from ensemble_core.decoding.members import Member
+from ensemble_core.models.bundled import BUNDLED, convert_gguf
+from ensemble_core.models.products import use_cpu_products
 
 
 @functools.cache
@@ -59,10 +59,10 @@ def tiny_member(alias: str, seed: int = 0, name: str | None = None, **overrides:
 
 
 def feed_jobs(states: list[Any], feeds: list[list[int]]) -> list[Any]:
-    """Each state's feed as the :class:`~ensemble_core.batching.Job` ``DecodeState.score`` would submit.
+    """Each state's feed as the :class:`~ensemble_core.decoding.forward.Job` ``DecodeState.score`` would submit.
 
     The ids count as cached afterwards: the caller runs the jobs in one batched pass (tests
-    of :func:`~ensemble_core.batching.batched_forward` without a batcher).
+    of :func:`~ensemble_core.decoding.forward.batched_forward` without a batcher).
     """
     jobs = []
     for state, feed in zip(states, feeds):

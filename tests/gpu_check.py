@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ensemble_core import Ensemble  # noqa: E402
 from ensemble_core.bench import verify_microbench  # noqa: E402
-from ensemble_core.datasets import cot_prompt, load_dataset  # noqa: E402
-from ensemble_core.members import Member  # noqa: E402
+from ensemble_core.bench.datasets import cot_prompt, load_dataset  # noqa: E402
+from ensemble_core.decoding.members import Member  # noqa: E402
+from ensemble_core.decoding.verify_inline import score_candidates_inline, score_candidates_separately  # noqa: E402
 from ensemble_core.testing import tiny_config  # noqa: E402
-from ensemble_core.verify_inline import score_candidates_inline, score_candidates_separately  # noqa: E402
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?")

@@ -43,7 +43,7 @@ from pydantic import BaseModel, Field
 from test_llamaindex_agent import ScriptedLM
 
 from ensemble_core import Ensemble, Member
-from ensemble_core.constraints import token_table
+from ensemble_core.constraints.grammar import token_table
 from ensemble_core.errors import InvalidOptionError, InvalidSchemaError, UnknownToolError
 from ensemble_core.testing import tiny_member
 
@@ -624,7 +624,7 @@ async def test_real_llamaindex_function_agent_two_step_task() -> None:
 
 def test_helpers_are_sound() -> None:
     """The streaming hold-back rule, on its own."""
-    from ensemble_core.structured import ReplyStream
+    from ensemble_core.constraints.structured import ReplyStream
 
     r = ReplyStream(forced=False)
     shown = [r.push(d) for d in ["Let ", "me <tool", "_call>{", '"name"']]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ensemble_core.alignment import (
+from ensemble_core.testing import bundled_tokenizer
+from ensemble_core.text.alignment import (
     IncrementalDecoder,
     decode,
     decode_suffix,
@@ -12,7 +13,6 @@ from ensemble_core.alignment import (
     is_common_boundary,
     tokenize,
 )
-from ensemble_core.testing import bundled_tokenizer
 
 ADVERSARIAL = [
     "Sofia met Sofía in São Paulo.",

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ensemble_core import Ensemble, InvalidOptionError, Member
-from ensemble_core.baselines import EveryTokenConfig, EveryTokenEnsemble, GenerateThenSelect, SingleModel
+from ensemble_core.methods.every_token import EveryTokenConfig, EveryTokenEnsemble
+from ensemble_core.methods.generate_then_select import GenerateThenSelect
+from ensemble_core.methods.single import SingleModel
 from ensemble_core.testing import tiny_member
 
 FFFD = "\ufffd"

@@ -1,4 +1,4 @@
-"""Batched decoding across concurrent requests (:mod:`ensemble_core.batching`).
+"""Batched decoding across concurrent requests (:mod:`ensemble_core.decoding.scheduler`).
 
 Batched outputs must equal unbatched ones: a batched pass is exact in arithmetic (padding
 is masked out, positions are explicit), only the floating-point summation order of a
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from ensemble_core import Ensemble, Member
-from ensemble_core.batching import Batcher, BatchingConfig, Job, batched_forward, batching_config, plan_groups
+from ensemble_core.decoding.forward import Job, batched_forward, plan_groups
+from ensemble_core.decoding.scheduler import Batcher, BatchingConfig, batching_config
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.testing import feed_jobs, random_ids, tiny_member
 
@@ -111,8 +112,8 @@ def test_prompt_lookup_guesses_only_while_few_requests_decode(method: str, llama
 
 
 def test_guesses_now_counts_the_requests_decoding_together() -> None:
-    from ensemble_core.batching import Binding, bound, concurrent_requests
-    from ensemble_core.lookup import check_lookup_max_requests, guesses_now
+    from ensemble_core.decoding.lookup import check_lookup_max_requests, guesses_now
+    from ensemble_core.decoding.scheduler import Binding, bound, concurrent_requests
 
     assert concurrent_requests() == 1 and guesses_now(4, 1) == 4  # unbatched: alone
     batcher = Batcher()
@@ -190,7 +191,7 @@ def test_a_row_joining_mid_flight_is_batched_and_exact(llama: Member) -> None:
 
 
 def test_runs_from_several_threads_run_concurrently_without_the_lock(llama: Member) -> None:
-    from ensemble_core.runtime import Run
+    from ensemble_core.serving.runtime import Run
 
     ens = Ensemble([llama], method="single", max_new_tokens=10)
     reference = [Ensemble([llama], method="single", batching=False, max_new_tokens=10).generate(p).text
@@ -325,7 +326,7 @@ def test_generate_keeps_its_request_active_between_deltas(llama: Member) -> None
     assert len(pauses) - paused_by_generate == len(deltas) + 1
     # the async paths (the server, the adapters' ainvoke/astream) produce deltas in a worker thread that
     # queues them and goes on: they are never paused either
-    from ensemble_core.runtime import Run
+    from ensemble_core.serving.runtime import Run
 
     async def consume() -> tuple[str, str]:
         streamed = "".join([d async for d in Run(ens, PROMPTS[1]).astream()])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ensemble_core import ensemble as ensemble_module
+from ensemble_core import methods as registry
 from ensemble_core.bench import (
     BenchOptions,
     HFSingleRunner,
@@ -27,9 +27,9 @@ from ensemble_core.bench import (
     run_bench,
     summarize_rows,
 )
+from ensemble_core.bench.datasets import cot_prompt
 from ensemble_core.bench.runner import subset_tag
 from ensemble_core.cli import main
-from ensemble_core.datasets import cot_prompt
 from ensemble_core.errors import ConfigurationError, InvalidOptionError
 
 ARTEFACTS = ("results.jsonl", "summary.json", "summary.md", "latency_per_method.png", "latency_vs_length.png",
@@ -337,7 +337,7 @@ def test_run_bench_writes_every_artefact_on_tiny_members(tiny_llama, tiny_gemma,
 
 
 def test_unavailable_method_is_reported_not_dropped(tiny_llama, tiny_gemma, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setitem(ensemble_module.METHODS, "specem", "ensemble_core.not_there:Nope")
+    monkeypatch.setitem(registry.METHODS, "specem", "ensemble_core.not_there:Nope")
     summary = run_bench(BenchOptions(dataset="arith", limit=1, max_new_tokens=3, out=str(tmp_path), progress=False,
                                      methods=("single", "specem"), warmup=False, plots=False, microbench=False),
                         members=[tiny_llama, tiny_gemma])
@@ -381,7 +381,7 @@ def test_cli_bench_limit_2_runs_every_method_on_the_real_pair(tmp_path: Path, ca
 
 def test_native_bf16_is_read_from_the_cpu_flags() -> None:
     """AVX512-BF16 or AMX-BF16 in the flags of /proc/cpuinfo; an AVX2-only CPU has neither."""
-    from ensemble_core.members import cpu_has_native_bf16, parse_cpu_flags
+    from ensemble_core.models.loading import cpu_has_native_bf16, parse_cpu_flags
 
     zen4 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
     avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ensemble_core import InputError, Member, normalize_messages
-from ensemble_core.chat import FALLBACK_TEMPLATE, render_chat
 from ensemble_core.testing import tiny_member
+from ensemble_core.text.chat import FALLBACK_TEMPLATE, render_chat
 
 
 def test_normalize_merges_roles_and_systems() -> None:
@@ -78,8 +78,8 @@ def test_roomy_layer_appends_in_place_and_stays_exact() -> None:
     the states a plain ``DynamicLayer`` would hold, and decoding matches a cache-free pass."""
     from transformers.cache_utils import DynamicLayer
 
-    from ensemble_core.cache import RoomyLayer, new_cache
-    from ensemble_core.verify_inline import branch_feed, cache_branch
+    from ensemble_core.decoding.cache import RoomyLayer, new_cache
+    from ensemble_core.decoding.verify_inline import branch_feed, cache_branch
 
     gen = torch.Generator().manual_seed(0)
     roomy, plain = RoomyLayer(room=4), DynamicLayer()

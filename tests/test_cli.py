@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ensemble_core.cli import build_parser, generate_config, main, member_options, parse_sets, parse_value
+from ensemble_core.cli import build_parser, generate_config, main
 from ensemble_core.errors import InvalidOptionError
+from ensemble_core.flags import member_options, parse_sets, parse_value
 
 
 def test_parse_value_and_sets() -> None:

@@ -1,4 +1,4 @@
-"""Constrained decoding (``ensemble_core.constraints``): outputs always parse and validate, per tokenizer.
+"""Constrained decoding (``ensemble_core.constraints.grammar``): outputs always parse and validate, per tokenizer.
 
 Random-logit sampling under the mask is the adversary: whatever the logits, every output
 must decode (with the project's decode flags) to JSON that validates against the schema.
@@ -17,8 +17,7 @@ import torch
 
 pytest.importorskip("llguidance", reason="constrained decoding needs llguidance: pip install 'llguidance>=1.9,<2'")
 
-from ensemble_core.alignment import IncrementalDecoder, decode, tokenize  # noqa: E402
-from ensemble_core.constraints import (  # noqa: E402
+from ensemble_core.constraints.grammar import (
     MAX_SAFE_INTEGER,
     ConstraintState,
     JsonConstraint,
@@ -28,7 +27,7 @@ from ensemble_core.constraints import (  # noqa: E402
     token_table,
     tool_call_constraint,
 )
-from ensemble_core.errors import (  # noqa: E402
+from ensemble_core.errors import (
     ConstraintError,
     InputError,
     InvalidSchemaError,
@@ -36,6 +35,7 @@ from ensemble_core.errors import (  # noqa: E402
     UnknownToolError,
 )
 from ensemble_core.testing import bundled_tokenizer, tiny_member  # noqa: E402
+from ensemble_core.text.alignment import IncrementalDecoder, decode, tokenize  # noqa: E402
 
 # Qwen2.5-Coder's tokenizer (151k byte-level BPE, the same decoder kind as SmolLM2's) is not in
 # this list, to keep the module fast; a grammar state on it is tested in tests/test_repetition.py

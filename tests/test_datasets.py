@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ensemble_core.datasets import (
+from ensemble_core.bench.datasets import (
     ARITH_MAX,
     COT_INSTRUCTION,
     Problem,

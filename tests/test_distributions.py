@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ensemble_core.distributions import (
+from ensemble_core.decoding.members import Member
+from ensemble_core.errors import InvalidOptionError
+from ensemble_core.text.distributions import (
     END,
     GaC,
     UniTE,
@@ -24,9 +26,7 @@ from ensemble_core.distributions import (
     token_bytes,
     union_vocabulary,
 )
-from ensemble_core.distributions import Candidates as C
-from ensemble_core.errors import InvalidOptionError
-from ensemble_core.members import Member
+from ensemble_core.text.distributions import Candidates as C
 
 
 def one_id(member: Member, text: str) -> int:
@@ -232,7 +232,8 @@ def test_warm_up_builds_the_token_tables_the_first_request_would(monkeypatch: py
                                                                     tiny_llama: Member, tiny_gemma: Member) -> None:
     """``Ensemble.warm_up`` (called by ``ensemble serve`` and ``ensemble bench`` after loading) builds every
     member's table, so a request that reaches a point where the members disagree builds none."""
-    from ensemble_core import Ensemble, distributions
+    from ensemble_core import Ensemble
+    from ensemble_core.text import distributions
 
     monkeypatch.setattr(distributions, "_TABLES", {})  # as in a fresh process
     built: list[int] = []
@@ -258,8 +259,8 @@ def test_concurrent_first_requests_build_a_token_table_once(monkeypatch: pytest.
     (they each built Gemma-3's 262k-token table under the GIL in a batched SAFE run)."""
     import threading
 
-    from ensemble_core import distributions
     from ensemble_core.testing import bundled_tokenizer
+    from ensemble_core.text import distributions
 
     tokenizer = bundled_tokenizer("smollm2-135m-instruct")
     size = len(tokenizer) + 11  # a size no other test asks for: a table not built yet

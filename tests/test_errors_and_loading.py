@@ -17,9 +17,9 @@ from ensemble_core import (
     PromptTooLongError,
     UnknownAliasError,
 )
-from ensemble_core.bundled import convert_gguf
 from ensemble_core.errors import ConfigurationError, EnsembleError, InputError, ModelLoadError
-from ensemble_core.members import load_objects
+from ensemble_core.models.bundled import convert_gguf
+from ensemble_core.models.loading import load_objects
 
 
 def test_hierarchy() -> None:

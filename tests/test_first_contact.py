@@ -28,8 +28,8 @@ from ensemble_core import (
     Member,
     NoMembersError,
     UnknownAliasError,
-    members,
 )
+from ensemble_core.models import loading as members
 from ensemble_core.testing import tiny_member
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from ensemble_core import Ensemble, GenerationConfig, InvalidOptionError, Member
+from ensemble_core.decoding.generation import Chunk, EnsembleMethod, _holdback
 from ensemble_core.errors import ConfigurationError, NoMembersError
-from ensemble_core.generation import Chunk, EnsembleMethod, _holdback
 
 
 @dataclass

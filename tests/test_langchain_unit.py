@@ -37,8 +37,8 @@ from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 from ensemble_core import ConfigurationError, Ensemble, InputError, InvalidOptionError, normalize_messages
-from ensemble_core.runtime import Run as CoreRun
-from ensemble_core.structured import closed_schema
+from ensemble_core.constraints.schemas import closed_schema
+from ensemble_core.serving.runtime import Run as CoreRun
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}

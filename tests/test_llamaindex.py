@@ -35,7 +35,7 @@ from ensemble_core import (
     UnsupportedContentError,
     normalize_messages,
 )
-from ensemble_core.chat import as_text_turns
+from ensemble_core.text.chat import as_text_turns
 
 REPO = Path(__file__).resolve().parents[1]
 PAIR = ["smollm2-135m-instruct", "gemma3-270m"]

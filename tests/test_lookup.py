@@ -1,8 +1,8 @@
-"""Prompt lookup's guesses (:func:`ensemble_core.lookup.propose`), on hand-made id lists."""
+"""Prompt lookup's guesses (:func:`ensemble_core.decoding.lookup.propose`), on hand-made id lists."""
 
 from __future__ import annotations
 
-from ensemble_core.lookup import propose
+from ensemble_core.decoding.lookup import propose
 
 
 def test_the_latest_match_of_the_longest_ngram_wins() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ensemble_core import Member
-from ensemble_core.bundled import cache_dir
+from ensemble_core.models.bundled import cache_dir
 from ensemble_core.testing import greedy_decode, reference_greedy
 
 pytestmark = pytest.mark.real

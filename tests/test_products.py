@@ -1,11 +1,11 @@
-"""A member's float32 products on a CPU (:mod:`ensemble_core.products`): same values, same parameters."""
+"""A member's float32 products on a CPU (:mod:`ensemble_core.models.products`): same values, same parameters."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ensemble_core.products import (
+from ensemble_core.models.products import (
     PREPACK_MEMORY_SHARE,
     CpuLinear,
     FusedProjections,
@@ -161,9 +161,10 @@ def test_members_prepacked_give_the_same_logits_bit_for_bit(alias: str) -> None:
 
 
 def test_member_spec_prepack_option() -> None:
-    from ensemble_core.cli import build_parser, member_options
+    from ensemble_core.cli import build_parser
     from ensemble_core.errors import InvalidOptionError
-    from ensemble_core.members import MemberSpec, per_member_options
+    from ensemble_core.flags import member_options
+    from ensemble_core.models.loading import MemberSpec, per_member_options
 
     assert MemberSpec("smollm2-135m-instruct").prepack is None  # decided at load, by the memory available
     with pytest.raises(InvalidOptionError, match="prepack"):

@@ -1,4 +1,4 @@
-"""Dynamic int8 members (ensemble_core.quantize): options, loading, numerics, decoding.
+"""Dynamic int8 members (ensemble_core.models.quantize): options, loading, numerics, decoding.
 
 A tiny random-weight member with SmolLM2's real tokenizer is saved to a directory and
 loaded back through the ordinary load path, with and without ``quantize="int8"``, so the
@@ -14,8 +14,8 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
 from ensemble_core import Ensemble, Member
 from ensemble_core.errors import InvalidOptionError
-from ensemble_core.members import MemberSpec, per_member_options
-from ensemble_core.products import CpuLinear
+from ensemble_core.models.loading import MemberSpec, per_member_options
+from ensemble_core.models.products import CpuLinear
 from ensemble_core.testing import greedy_decode, random_ids, reference_greedy, tiny_member
 
 

@@ -17,9 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from ensemble_core import Member, bundled
-from ensemble_core.bundled import QWEN_ALIAS, QWEN_INSTALL, QWEN_REINSTALL, assemble_parts, cache_dir, verify_file
+from ensemble_core import Member
 from ensemble_core.errors import MissingDependencyError, ModelLoadError
+from ensemble_core.models import bundled
+from ensemble_core.models.bundled import (
+    QWEN_ALIAS,
+    QWEN_INSTALL,
+    QWEN_REINSTALL,
+    assemble_parts,
+    cache_dir,
+    verify_file,
+)
 from ensemble_core.testing import greedy_decode, reference_greedy
 
 real = pytest.mark.real

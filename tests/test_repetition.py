@@ -1,4 +1,4 @@
-"""The loop penalty (``ensemble_core.repetition``): constrained output that repeats itself ends.
+"""The loop penalty (``ensemble_core.constraints.repetition``): constrained output that repeats itself ends.
 
 The rule is checked as a pure function on bytes, inside a member's grammar state (its own
 token space, real tokenizers), and end to end: members biased to write an endless list of
@@ -20,11 +20,11 @@ pytest.importorskip("llguidance", reason="constrained decoding needs llguidance:
 from test_agents import METHODS, biased_member  # noqa: E402
 
 from ensemble_core import Ensemble  # noqa: E402
-from ensemble_core.closing import closes_only, closing_bonus, closing_factors, in_string, resolve_margin  # noqa: E402
-from ensemble_core.constraints import JsonConstraint, compile_constraint  # noqa: E402
+from ensemble_core.constraints.closing import closes_only, closing_bonus, closing_factors, in_string, resolve_margin  # noqa: E402
+from ensemble_core.constraints.grammar import JsonConstraint, compile_constraint  # noqa: E402
+from ensemble_core.constraints.repetition import LoopPenalty, loop_penalties, text_factors  # noqa: E402
+from ensemble_core.decoding.generation import GenerationConfig  # noqa: E402
 from ensemble_core.errors import InvalidOptionError  # noqa: E402
-from ensemble_core.generation import GenerationConfig  # noqa: E402
-from ensemble_core.repetition import LoopPenalty, loop_penalties, text_factors  # noqa: E402
 from ensemble_core.testing import bundled_tokenizer  # noqa: E402
 
 RULE = LoopPenalty()

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ensemble_core import GenerationCancelled, Member
-from ensemble_core.runtime import GenerationTimeout, Run, clear_shared, shared_ensemble
+from ensemble_core.serving.runtime import GenerationTimeout, Run, clear_shared, shared_ensemble
 
 
 def test_identical_descriptions_share_one_ensemble(tiny_llama: Member, tiny_gemma: Member) -> None:

@@ -18,11 +18,13 @@ import pytest
 import torch
 
 from ensemble_core import Member
-from ensemble_core.alignment import decode, is_common_boundary, tokenize
+from ensemble_core.decoding.drafting import draft_tokens
+from ensemble_core.decoding.generation import GenerationResult
+from ensemble_core.decoding.pipeline import TokenPipeline
 from ensemble_core.ensemble import Ensemble
 from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
-from ensemble_core.generation import GenerationResult
-from ensemble_core.safe import SafeConfig, SafeEnsemble, SafeRequest, draft_tokens
+from ensemble_core.methods.safe import SafeConfig, SafeEnsemble, SafeRequest
+from ensemble_core.text.alignment import decode, is_common_boundary, tokenize
 
 FFFD = "\ufffd"
 
@@ -281,7 +283,7 @@ def test_draft_confidence_ends_drafts_after_an_unsure_token(smollm2: Member) -> 
     lengths = []
     for prompt in ("Name three primary colors.", "Write a haiku about rain.", "What is 17 * 23? Think step by step."):
         state = smollm2.start(prompt)
-        ids, rows = draft_tokens(state, 6, 40, config, None, confidence=0.6)
+        ids, rows = draft_tokens(state, 6, 40, TokenPipeline(config), confidence=0.6)
         probs = [rows.prob(j, t) for j, t in enumerate(ids)]
         assert all(p >= 0.6 for p in probs[:-1]), probs
         assert probs[-1] < 0.6 or len(ids) == 6, probs
@@ -315,10 +317,10 @@ def test_prompt_lookup_leaves_the_drafter_at_its_draft(smollm2: Member) -> None:
     prompt = "Count: one two three, one two three, one two three, one two"
     state = smollm2.start(prompt)
     base = list(state.ids)
-    ids, rows = draft_tokens(state, 8, 40, SafeConfig(), None, lookup=6)
+    ids, rows = draft_tokens(state, 8, 40, TokenPipeline(SafeConfig()), lookup=6)
     assert state.ids == base + ids[:-1]
     fresh = smollm2.start_from_ids(base)
-    plain, _ = draft_tokens(fresh, 8, 40, SafeConfig(), None)
+    plain, _ = draft_tokens(fresh, 8, 40, TokenPipeline(SafeConfig()))
     assert plain == ids and state.stats.forward_passes < fresh.stats.forward_passes
     torch.testing.assert_close(state.score([ids[-1]])[-1], fresh.score([ids[-1]])[-1], atol=1e-4, rtol=1e-4)
 

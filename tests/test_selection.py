@@ -8,8 +8,8 @@ import math
 import pytest
 
 from ensemble_core import Member
-from ensemble_core.selection import normalize_scores, postprocess_segment, select_candidate, use_threads
-from ensemble_core.specem import SpecEMConfig
+from ensemble_core.methods.selection import normalize_scores, postprocess_segment, select_candidate, use_threads
+from ensemble_core.methods.specem import SpecEMConfig
 
 
 @pytest.mark.parametrize("text,finished,expected", [
@@ -66,17 +66,18 @@ def test_own_draft_scores_equal_the_packed_pass_and_are_not_fed_again(real_pair:
     early: its end score is the next draft row's)."""
     import torch
 
-    from ensemble_core.alignment import decode_suffix
-    from ensemble_core.generation import GenerationConfig
-    from ensemble_core.selection import Candidate, DraftScores, draft, verify
-    from ensemble_core.view import start_views
+    from ensemble_core.decoding.drafting import DraftScores
+    from ensemble_core.decoding.generation import GenerationConfig
+    from ensemble_core.decoding.view import start_views
+    from ensemble_core.methods.selection import Candidate, draft, verify
+    from ensemble_core.text.alignment import decode_suffix
 
     config = GenerationConfig(max_new_tokens=40)
     views = start_views(real_pair, [{"role": "user", "content": "Name three colours and say why."}], config)
     shared = "Red, green"
     for view in views:
         view.commit(*view.appended("", shared))
-    cands = [draft(views[i], i, 10, config, (), shared) for i in range(2)]
+    cands = [draft(views[i], i, 10, (), shared) for i in range(2)]
     assert all(isinstance(c.scores, DraftScores) and c.text for c in cands)
     for i, view in enumerate(views):
         ids = cands[i].scores.ids

@@ -1,4 +1,4 @@
-"""The batch KV storage that stays put between passes (:mod:`ensemble_core.slab`).
+"""The batch KV storage that stays put between passes (:mod:`ensemble_core.decoding.slab`).
 
 Every check compares a row decoded in batched passes through a slab with the same row
 decoded alone, on random-weight members with the real tokenizers, and counts how often
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ensemble_core.batching import batched_forward
-from ensemble_core.members import DecodeState
-from ensemble_core.slab import Slab, room_for
+from ensemble_core.decoding.forward import batched_forward
+from ensemble_core.decoding.members import DecodeState
+from ensemble_core.decoding.slab import Slab, room_for
 from ensemble_core.testing import feed_jobs, random_ids, tiny_member
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ensemble_core import ConfigurationError, Ensemble, InvalidOptionError, Member, NoMembersError
-from ensemble_core.baselines import SingleModel
-from ensemble_core.specem import SpecEMConfig, SpecEMEnsemble, hedge_rewards, hedge_step, hedge_update
+from ensemble_core.methods.single import SingleModel
+from ensemble_core.methods.specem import SpecEMConfig, SpecEMEnsemble, hedge_rewards, hedge_step, hedge_update
 from ensemble_core.testing import reference_last_row, tiny_member
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in total?"

@@ -9,17 +9,17 @@ import json
 import pytest
 
 from ensemble_core import Ensemble, InvalidOptionError, Member
-from ensemble_core.errors import InvalidSchemaError, UnknownToolError
-from ensemble_core.structured import (
+from ensemble_core.constraints.schemas import closed_schema
+from ensemble_core.constraints.structured import (
     JSON_INSTRUCTIONS,
     ReplyStream,
     StructuredRequest,
-    closed_schema,
     json_sequence,
     parse_output,
     structured_request,
     with_instructions,
 )
+from ensemble_core.errors import InvalidSchemaError, UnknownToolError
 from ensemble_core.testing import tiny_member
 
 TOOLS = [{"type": "function", "function": {

@@ -15,8 +15,8 @@ from test_alignment import ADVERSARIAL
 from test_verify_inline import PROMPT, assert_inline_exact
 
 from ensemble_core import Ensemble, Member
-from ensemble_core.alignment import is_common_boundary, tokenize
-from ensemble_core.datasets import cot_prompt, load_dataset, score
+from ensemble_core.bench.datasets import cot_prompt, load_dataset, score
+from ensemble_core.text.alignment import is_common_boundary, tokenize
 
 pytestmark = pytest.mark.real
 

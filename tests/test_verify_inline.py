@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ensemble_core import Ensemble, Member, UnsupportedAttentionError
-from ensemble_core.specem import SpecEMEnsemble
+from ensemble_core.decoding.verify_inline import score_candidates_inline, score_candidates_separately
+from ensemble_core.methods.specem import SpecEMEnsemble
 from ensemble_core.testing import random_ids, reference_last_row, tiny_member
-from ensemble_core.verify_inline import score_candidates_inline, score_candidates_separately
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in total?"
 

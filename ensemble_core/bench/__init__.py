@@ -27,23 +27,30 @@ declared as data in ``targets.json`` and evaluated against a summary), :mod:`.in
 (markdown and plots), :mod:`.microbench` (verify-in-line vs separate scoring).
 """
 
-from .microbench import verify_microbench
-from .records import RESULTS_FILE, ensemble_ratio, error_record, is_corrupted, make_record, summarize_rows
-from .report import hardware, write_markdown, write_plots
-from .runner import (
+from ensemble_core.bench.microbench import verify_microbench
+from ensemble_core.bench.records import (
+    RESULTS_FILE,
+    Row,
+    RunOutput,
+    ensemble_ratio,
+    error_record,
+    is_corrupted,
+    make_record,
+    summarize_rows,
+)
+from ensemble_core.bench.report import hardware, write_markdown, write_plots
+from ensemble_core.bench.runner import (
     ALL_METHODS,
     BenchOptions,
     EnsembleRunner,
     HFSingleRunner,
-    Row,
-    RunOutput,
     _TextStop,
     build_rows,
     check_available,
     cut_at_stop,
     run_bench,
 )
-from .targets import TARGETS_FILE, Target, evaluate_targets, load_targets
+from ensemble_core.bench.targets import TARGETS_FILE, Target, evaluate_targets, load_targets
 
 __all__ = [
     "ALL_METHODS", "RESULTS_FILE", "TARGETS_FILE", "BenchOptions", "EnsembleRunner", "HFSingleRunner", "Row",

@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .records import output_chars
+from ensemble_core.bench.records import output_chars
 
 Record = dict[str, Any]
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..datasets import cot_prompt
-from ..members import Member
+from ensemble_core.bench.datasets import cot_prompt
+from ensemble_core.decoding.members import Member
 
 
 def _synchronize(member: Member) -> None:
@@ -21,16 +21,16 @@ def _synchronize(member: Member) -> None:
 def verify_microbench(members: list[Member], reps: int = 5, candidates: Sequence[int] = (2, 4)) -> dict[str, Any]:
     """Time SpecEM's verify-in-line pass against scoring each candidate separately.
 
-    Calls :func:`ensemble_core.verify_inline.score_candidates_inline` and
+    Calls :func:`ensemble_core.decoding.verify_inline.score_candidates_inline` and
     ``score_candidates_separately`` (the same scores, one pass per candidate) on every
     member, behind the same cached context (a GSM8K question), with candidate segments of
     about ten tokens; times are per call, summed over members. Reported as skipped when
     the module is missing.
     """
     try:
-        from ..verify_inline import score_candidates_inline, score_candidates_separately
+        from ensemble_core.decoding.verify_inline import score_candidates_inline, score_candidates_separately
     except ImportError as exc:
-        return {"skipped": f"ensemble_core.verify_inline is not importable: {exc}"}
+        return {"skipped": f"ensemble_core.decoding.verify_inline is not importable: {exc}"}
     prompt = cot_prompt("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                         "How many clips did Natalia sell altogether in April and May?")
     texts = [" First, she sold 48 clips in April and then", " In May she sold half as many, which is 24 clips",

@@ -1,7 +1,7 @@
 """Per-question records and per-method summaries (accuracy, latency, tokens/s, TTFT, E/T, ratios).
 
 Records read the methods' typed statistics by their fixed keys
-(:mod:`ensemble_core.stats`): ``e_t``, ``ensembled`` and ``tokens``; nothing is guessed.
+(:mod:`ensemble_core.decoding.stats`): ``e_t``, ``ensembled`` and ``tokens``; nothing is guessed.
 """
 
 from __future__ import annotations
@@ -9,15 +9,13 @@ from __future__ import annotations
 import statistics
 import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ..alignment import REPLACEMENT_CHAR
-from ..datasets import Problem, score
-
-if TYPE_CHECKING:
-    from .runner import Row, RunOutput
+from ensemble_core.bench.datasets import Problem, score
+from ensemble_core.text.alignment import REPLACEMENT_CHAR
 
 RESULTS_FILE = "results.jsonl"
 
@@ -146,4 +144,33 @@ def fast_slow(summary: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None
         return None, None
     return min(singles, key=lambda v: v["s_per_100_chars"]), max(singles, key=lambda v: v["s_per_100_chars"])
 
+
+# ============================================================================ runners
+@dataclass
+class RunOutput:
+    """What one method produced for one question, with its timings."""
+
+    text: str
+    seconds: float
+    tokens: int
+    ttft: float | None
+    finish_reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+    time_to_l: float | None = None
+    token_ids: list[int] | None = None  # single rows: the generated ids (not written to the records)
+
+
+# ============================================================================ plan
+@dataclass
+class Row:
+    """One method setting of the benchmark: a label, how to build it, its role."""
+
+    label: str
+    kind: str  # single | every-token | safe | specem | generate-then-select
+    runner: Any = None
+    skipped: str | None = None
+    member: str | None = None  # single rows
+    drafter: str | None = None  # safe rows
+    config: dict[str, Any] = field(default_factory=dict)
+    members: tuple[str, ...] = ()  # ensemble rows: the members ensembled
 

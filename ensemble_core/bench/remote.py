@@ -57,8 +57,8 @@ def _run(ensemble: Any, prompt: Any, tokens: int) -> tuple[float, Any]:
 
 def place_pair(address: str | None, threads: int) -> list[Any]:
     """The bundled pair, each member in its own actor (``threads`` torch threads each)."""
-    from ..ensemble import DEFAULT_MEMBERS, Ensemble
-    from ..remote import RayMemberSpec, RayOptions
+    from ensemble_core.ensemble import DEFAULT_MEMBERS, Ensemble
+    from ensemble_core.remote import RayMemberSpec, RayOptions
 
     options = RayOptions(address=address, torch_threads=threads)
     return Ensemble([RayMemberSpec(m) for m in DEFAULT_MEMBERS], method="single", ray_options=options).members
@@ -70,7 +70,7 @@ def measure(
     """One row per method: timings of both backends, the ratio, bytes and calls per round."""
     import torch
 
-    from ..ensemble import DEFAULT_MEMBERS, Ensemble
+    from ensemble_core.ensemble import DEFAULT_MEMBERS, Ensemble
 
     torch.set_num_threads(threads)
     local_members = Ensemble(list(DEFAULT_MEMBERS), method="single").members

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .records import RESULTS_FILE, mean
+from ensemble_core.bench.records import RESULTS_FILE, mean
 
 
 def _fmt(value: Any, kind: str = "f") -> str:
@@ -29,7 +29,7 @@ def hardware() -> dict[str, Any]:
     """The machine a run was made on; the CPU's model, ISA and native bf16 too, because this
     project's machines change between sessions (AVX2 one day, AVX-512 with bf16 the next)
     and member costs change with them."""
-    from ..members import cpu_has_native_bf16, cpu_model
+    from ensemble_core.models.loading import cpu_has_native_bf16, cpu_model
 
     info = {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "processor": platform.processor(),
@@ -80,8 +80,8 @@ def steal_share(*spans: tuple[CpuTicks | None, CpuTicks | None]) -> float | None
 
 def member_layouts(members: Sequence[Any]) -> list[str]:
     """Each member's parameter dtype, with ``+prepacked`` when its products read prepacked weights
-    (``ensemble_core.products``): recorded with every run, since both change a member's speed."""
-    from ..products import is_prepacked
+    (``ensemble_core.models.products``): recorded with every run, since both change a member's speed."""
+    from ensemble_core.models.products import is_prepacked
 
     return [str(getattr(m.model, "dtype", "?")).removeprefix("torch.") + ("+prepacked" if is_prepacked(m.model) else "")
             for m in members]

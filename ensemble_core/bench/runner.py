@@ -19,16 +19,18 @@ from typing import Any
 
 import torch
 
-from ..alignment import decode
-from ..datasets import DEFAULT_SHOTS, Problem, cot_prompt, load_dataset
-from ..ensemble import Ensemble, method_class, resolve_members
-from ..errors import ConfigurationError, EnsembleError, InvalidOptionError
-from ..members import Member, per_member_options
-from ..stats import MemberStats, RequestStats
-from .microbench import verify_microbench
-from .records import RESULTS_FILE, error_record, jsonable, make_record, summarize_rows
-from .report import cpu_ticks, hardware, member_layouts, steal_share, write_markdown, write_plots
-from .targets import evaluate_targets
+from ensemble_core.bench.datasets import DEFAULT_SHOTS, Problem, cot_prompt, load_dataset
+from ensemble_core.bench.microbench import verify_microbench
+from ensemble_core.bench.records import RESULTS_FILE, Row, RunOutput, error_record, jsonable, make_record, summarize_rows
+from ensemble_core.bench.report import cpu_ticks, hardware, member_layouts, steal_share, write_markdown, write_plots
+from ensemble_core.bench.targets import evaluate_targets
+from ensemble_core.decoding.members import Member
+from ensemble_core.decoding.stats import MemberStats, RequestStats
+from ensemble_core.ensemble import Ensemble, resolve_members
+from ensemble_core.errors import ConfigurationError, EnsembleError, InvalidOptionError
+from ensemble_core.methods import method_class
+from ensemble_core.models.loading import per_member_options
+from ensemble_core.text.alignment import decode
 
 ALL_METHODS = ("single", "every-token", "safe", "specem", "generate-then-select")
 
@@ -106,21 +108,6 @@ class BenchOptions:
             raise InvalidOptionError("threads", self.threads, "an integer >= 1 or None")
         if not isinstance(self.microbench_reps, int) or self.microbench_reps < 1:
             raise InvalidOptionError("microbench_reps", self.microbench_reps, "an integer >= 1")
-
-
-# ============================================================================ runners
-@dataclass
-class RunOutput:
-    """What one method produced for one question, with its timings."""
-
-    text: str
-    seconds: float
-    tokens: int
-    ttft: float | None
-    finish_reason: str
-    stats: dict[str, Any] = field(default_factory=dict)
-    time_to_l: float | None = None
-    token_ids: list[int] | None = None  # single rows: the generated ids (not written to the records)
 
 
 class _TimingStreamer:
@@ -225,21 +212,6 @@ class EnsembleRunner:
         r = self.ensemble.generate(prompt, max_new_tokens=max_new_tokens)
         return RunOutput(text=r.text, seconds=r.seconds, tokens=r.completion_tokens, ttft=r.time_to_first_chunk,
                          finish_reason=r.finish_reason, stats=jsonable(r.stats))
-
-
-# ============================================================================ plan
-@dataclass
-class Row:
-    """One method setting of the benchmark: a label, how to build it, its role."""
-
-    label: str
-    kind: str  # single | every-token | safe | specem | generate-then-select
-    runner: Any = None
-    skipped: str | None = None
-    member: str | None = None  # single rows
-    drafter: str | None = None  # safe rows
-    config: dict[str, Any] = field(default_factory=dict)
-    members: tuple[str, ...] = ()  # ensemble rows: the members ensembled
 
 
 def _config_fields(method: str) -> set[str]:

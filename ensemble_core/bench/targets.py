@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .intervals import Record, describe, paired, ratio_interval
-from .records import fast_slow
+from ensemble_core.bench.intervals import Record, describe, paired, ratio_interval
+from ensemble_core.bench.records import fast_slow
 
 TARGETS_FILE = Path(__file__).with_name("targets.json")
 

@@ -42,16 +42,18 @@ from typing import Any
 
 import torch
 
-from ..batching import BatchingConfig
-from ..datasets import cot_prompt, load_dataset
-from ..ensemble import METHODS, Ensemble, method_class, resolve_members
-from ..errors import EnsembleError, InvalidOptionError
-from ..members import Member, MemberSpec, per_member_options
-from ..products import is_prepacked
-from .records import jsonable
-from .report import cpu_ticks, hardware, member_layouts, steal_share
-from .runner import check_method_config, method_overrides
-from .targets import load_targets
+from ensemble_core.bench.datasets import cot_prompt, load_dataset
+from ensemble_core.bench.records import jsonable
+from ensemble_core.bench.report import cpu_ticks, hardware, member_layouts, steal_share
+from ensemble_core.bench.runner import check_method_config, method_overrides
+from ensemble_core.bench.targets import load_targets
+from ensemble_core.decoding.members import Member
+from ensemble_core.decoding.scheduler import BatchingConfig
+from ensemble_core.ensemble import Ensemble, resolve_members
+from ensemble_core.errors import EnsembleError, InvalidOptionError
+from ensemble_core.methods import METHODS, method_class
+from ensemble_core.models.loading import MemberSpec, per_member_options
+from ensemble_core.models.products import is_prepacked
 
 THROUGHPUT_METHODS = ("single", "safe", "specem")
 

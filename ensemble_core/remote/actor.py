@@ -3,13 +3,13 @@
 :class:`MemberActor` is a plain class (Ray wraps it with ``ray.remote`` when a member is
 placed, so this module imports without Ray). It loads its member exactly as a local one
 (:meth:`Member.load`: alias, path, GGUF or hub id) and keeps one real
-:class:`~ensemble_core.members.DecodeState` per request state id. Every call carries the
+:class:`~ensemble_core.decoding.members.DecodeState` per request state id. Every call carries the
 state's pending bookkeeping (``start`` / ``crop`` / ``extend``, which need no model and
 so never cost a round trip of their own) and one *operation*: the same module functions
-the methods run on a local state (:func:`~ensemble_core.safe.draft_tokens`,
-:func:`~ensemble_core.selection.draft_segment`,
-:func:`~ensemble_core.rows.window_probs`,
-:func:`~ensemble_core.verify_inline.score_candidates_inline`), so results are those of a
+the methods run on a local state (:func:`~ensemble_core.decoding.drafting.draft_tokens`,
+:func:`~ensemble_core.decoding.drafting.draft_segment`,
+:func:`~ensemble_core.decoding.rows.window_probs`,
+:func:`~ensemble_core.decoding.verify_inline.score_candidates_inline`), so results are those of a
 local member. What goes back is only what the methods read: drafted ids, a few
 probabilities, argmaxes, scores; whole probability rows stay here until one is asked
 for (:meth:`MemberActor._op_rows`).
@@ -26,17 +26,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import InputError
-from ..generation import GenerationConfig
-from ..members import DecodeState, Member, MemberSpec
-from ..rows import TensorRows, next_row, window_probs
+from ensemble_core.decoding.drafting import draft_segment, draft_tokens
+from ensemble_core.decoding.generation import GenerationConfig
+from ensemble_core.decoding.members import DecodeState, Member
+from ensemble_core.decoding.pipeline import TokenPipeline
+from ensemble_core.decoding.rows import TensorRows, next_row, window_probs
+from ensemble_core.decoding.verify_inline import score_candidates_inline
+from ensemble_core.errors import InputError, StateLostError
+from ensemble_core.models.loading import MemberSpec
 
 #: A change of a state's ids that needs no model: applied in order before the call's operation.
 Change = tuple[str, Any]
-
-
-class StateLostError(InputError):
-    """The actor holds no state of that id: it was restarted (or the state was freed)."""
 
 
 def sampling_config(do_sample: bool, temperature: float, top_p: float) -> GenerationConfig:
@@ -163,11 +163,9 @@ class MemberActor:
         self, sid: int, state: DecodeState, limit: int, budget: int, sampling: tuple, generator: bytes | None,
         confidence: float = 0.0, lookup: int = 0,
     ) -> tuple:
-        from ..safe import draft_tokens
-
         gen = restore_generator(generator)
-        ids, rows = draft_tokens(state, limit, budget, sampling_config(*sampling), gen, confidence=confidence,
-                                 lookup=lookup)
+        ids, rows = draft_tokens(state, limit, budget, TokenPipeline(sampling_config(*sampling), gen),
+                                 confidence=confidence, lookup=lookup)
         eos = self.member.eos_id_tensor
         probs = [rows.prob(j, t) for j, t in enumerate(ids)]
         last = len(ids) - 1
@@ -186,18 +184,14 @@ class MemberActor:
         self, sid: int, state: DecodeState, length: int, sampling: tuple, generator: bytes | None, stops: Sequence[str],
         tail: str, lookup: int = 0,
     ) -> tuple:
-        from ..selection import draft_segment
-
         gen = restore_generator(generator)
-        ids, end, text, scores = draft_segment(state, length, sampling_config(*sampling), gen, stops, tail,
-                                               lookup=lookup)
+        ids, end, text, scores = draft_segment(state, length, TokenPipeline(sampling_config(*sampling), gen), stops,
+                                               tail, lookup=lookup)
         return ids, end, text, generator_state(gen), scores
 
     def _op_score_candidates_inline(
         self, sid: int, state: DecodeState, candidates: list[list[int]], kind: str, terminal: list[bool] | None
     ) -> list[np.ndarray]:
-        from ..verify_inline import score_candidates_inline
-
         return [v.cpu().numpy() for v in score_candidates_inline(state, candidates, kind, terminal)]
 
     def _op_rows(self, sid: int, state: DecodeState, kind: str, version: int, index: Sequence[int]) -> np.ndarray:

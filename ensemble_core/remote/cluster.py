@@ -25,10 +25,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import EnsembleError, MemberUnavailableError, MissingDependencyError, ModelLoadError
-from ..members import MemberSpec
-from .actor import MemberActor, StateLostError
-from .options import RayMemberSpec, RayOptions
+from ensemble_core.errors import EnsembleError, MemberUnavailableError, MissingDependencyError, ModelLoadError, StateLostError
+from ensemble_core.models.loading import MemberSpec
+from ensemble_core.remote.actor import MemberActor
+from ensemble_core.remote.options import RayMemberSpec, RayOptions
 
 _LOCK = threading.Lock()
 #: How often a call that found its actor restarting asks again (within ``call_timeout_s``).

@@ -1,12 +1,12 @@
 """The client side of a Ray member: a :class:`Member` whose model runs in an actor.
 
-:class:`RemoteMember` is a :class:`~ensemble_core.members.Member` with the tokenizer here
+:class:`RemoteMember` is a :class:`~ensemble_core.decoding.members.Member` with the tokenizer here
 and the model in a :class:`~ensemble_core.remote.actor.MemberActor`: rendering the chat,
 tokenizing, aligning texts, fusion tables and grammars stay local and unchanged.
-:class:`RemoteDecodeState` is a :class:`~ensemble_core.members.DecodeState` by duck
+:class:`RemoteDecodeState` is a :class:`~ensemble_core.decoding.members.DecodeState` by duck
 typing: it mirrors the state's ids here (so the methods read ``ids``, ``prompt_len`` and
 ``stats`` as usual), queues ``crop`` / ``extend`` until the next call (they need no
-model), and offers the fused operations of :mod:`ensemble_core.rows` (``draft_tokens``,
+model), and offers the fused operations of :mod:`ensemble_core.decoding.rows` (``draft_tokens``,
 ``window_probs``, ``draft_segment``, ``score_candidates_inline``, ``next_row``), each one
 actor call. :class:`RemoteRows` answers the methods' questions about probability rows
 from the summary the actor sent and fetches a whole row only when one is asked for.
@@ -25,14 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..chat import FALLBACK_STOPS, Prompt
-from ..errors import ConfigurationError, EnsembleError, InputError, PromptTooLongError
-from ..generation import GenerationConfig
-from ..members import DecodeStats, Member, MemberSpec
-from ..structured import StructuredRequest
-from .actor import generator_state
-from .cluster import Placed, acquire, release
-from .options import RayMemberSpec, RayOptions
+from ensemble_core.decoding.generation import GenerationConfig
+from ensemble_core.decoding.members import DecodeStats, Member
+from ensemble_core.errors import ConfigurationError, EnsembleError, InputError
+from ensemble_core.models.loading import MemberSpec
+from ensemble_core.remote.actor import generator_state
+from ensemble_core.remote.cluster import Placed, acquire, release
+from ensemble_core.remote.options import RayMemberSpec, RayOptions
+from ensemble_core.text.chat import FALLBACK_STOPS
 
 _STATE_IDS = itertools.count(1)
 _TOKENIZERS: dict[tuple[str, bool], Any] = {}
@@ -43,7 +43,7 @@ def local_tokenizer(spec: MemberSpec) -> Any:
     """The member's tokenizer, loaded here the way a local member loads it (cached per process)."""
     from transformers import AutoTokenizer
 
-    from ..members import _resolve_source, hub_reachable
+    from ensemble_core.models.loading import _resolve_source, hub_reachable
 
     key = (str(spec.source), spec.trust_remote_code)
     with _TOKENIZER_LOCK:
@@ -123,13 +123,6 @@ class RemoteMember(Member):
         return f"RemoteMember({self.name!r}, node={self.link.node}, device={self.model.device_name}, vocab={self.vocab_size})"
 
     # ---------------------------------------------------------------- decoding
-    def start(self, prompt: Prompt, max_new_tokens: int = 0, structured: StructuredRequest | None = None) -> RemoteDecodeState:
-        self._check_live()
-        ids = self.encode_prompt(self.render(prompt, structured))
-        if len(ids) + max_new_tokens > self.context_window:
-            raise PromptTooLongError(self.name, len(ids), max_new_tokens, self.context_window)
-        return RemoteDecodeState(self, ids)
-
     def start_from_ids(self, ids: Sequence[int]) -> RemoteDecodeState:
         self._check_live()
         if len(ids) == 0:
@@ -171,7 +164,7 @@ def _sampling(config: GenerationConfig) -> tuple[bool, float, float]:
 
 
 class RemoteDecodeState:
-    """A :class:`~ensemble_core.members.DecodeState` whose cache lives in the member's actor.
+    """A :class:`~ensemble_core.decoding.members.DecodeState` whose cache lives in the member's actor.
 
     ``ids`` mirrors the actor's ids exactly: every operation changes both the same way.
     ``close()`` (or dropping the object) frees the actor's state.
@@ -238,7 +231,7 @@ class RemoteDecodeState:
         self, limit: int, budget: int, config: GenerationConfig, generator: torch.Generator | None,
         confidence: float = 0.0, lookup: int = 0,
     ) -> tuple[list[int], RemoteRows]:
-        """:func:`ensemble_core.safe.draft_tokens` in the actor: ids, their probabilities, the rows kept there."""
+        """:func:`ensemble_core.decoding.drafting.draft_tokens` in the actor: ids, their probabilities, the rows kept there."""
         ids, probs, masses, version, gen = self._call(
             "draft_tokens", limit, budget, _sampling(config), generator_state(generator), confidence, lookup
         )
@@ -249,7 +242,7 @@ class RemoteDecodeState:
         return ids, RemoteRows(self, "draft", version, len(ids), known, masses)
 
     def window_probs(self, new_ids: Sequence[int], skip: int) -> RemoteRows:
-        """:func:`ensemble_core.rows.window_probs` in the actor (SAFE's verification window)."""
+        """:func:`ensemble_core.decoding.rows.window_probs` in the actor (SAFE's verification window)."""
         ids = [int(i) for i in new_ids]
         argmax, probs, masses, version = self._call("window_probs", ids, skip)
         self.ids.extend(ids)
@@ -266,7 +259,7 @@ class RemoteDecodeState:
         grammar: Any = None,
         lookup: int = 0,
     ) -> tuple[list[int], str | None, str, Any]:
-        """:func:`ensemble_core.selection.draft_segment` in the actor (a SpecEM segment, on a cache branch)."""
+        """:func:`ensemble_core.decoding.drafting.draft_segment` in the actor (a SpecEM segment, on a cache branch)."""
         if grammar is not None:
             raise ConfigurationError(
                 f"Member {self.member.name!r} runs on Ray, and a constrained segment (tools / response_format) is "
@@ -283,7 +276,7 @@ class RemoteDecodeState:
     def score_candidates_inline(
         self, candidates: Sequence[Sequence[int]], kind: str = "logprob", terminal: Sequence[bool] | None = None
     ) -> list[torch.Tensor]:
-        """:func:`ensemble_core.verify_inline.score_candidates_inline` in the actor: per-token scores only."""
+        """:func:`ensemble_core.decoding.verify_inline.score_candidates_inline` in the actor: per-token scores only."""
         packed = [[int(t) for t in c] for c in candidates]
         values = self._call("score_candidates_inline", packed, kind, None if terminal is None else [bool(t) for t in terminal])
         return [_tensor(v) for v in values]
@@ -294,7 +287,7 @@ class RemoteDecodeState:
 
 
 class RemoteRows:
-    """Probability rows kept in a member's actor (the :class:`~ensemble_core.rows.TensorRows` interface).
+    """Probability rows kept in a member's actor (the :class:`~ensemble_core.decoding.rows.TensorRows` interface).
 
     ``known[(r, token)]`` and ``masses[r]`` (the EOS mass) are what the actor sent along;
     anything else fetches row ``r`` once (float32, exactly the actor's values) and answers

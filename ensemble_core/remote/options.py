@@ -3,7 +3,7 @@
 :class:`RayOptions` says how this process reaches Ray (a running cluster or a small local
 one), how long it waits for a member, and the default resources of every member actor.
 :class:`RayMemberSpec` is one member placed on an actor: what to load (an alias, a path,
-a hub id or a :class:`~ensemble_core.members.MemberSpec`) and the Ray resources it needs
+a hub id or a :class:`~ensemble_core.models.loading.MemberSpec`) and the Ray resources it needs
 (GPUs, CPUs, a custom resource that pins it to a node, or a node id).
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import InvalidOptionError
-from ..members import MemberSpec
+from ensemble_core.errors import InvalidOptionError
+from ensemble_core.models.loading import MemberSpec
 
 #: Object store of a local Ray started here: members exchange a few KiB per round, and
 #: only whole rows of logits (<= 1 MiB each) ever reach the store.

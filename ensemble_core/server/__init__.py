@@ -10,17 +10,16 @@ from typing import Any
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "add_serve_parser", "cmd_serve", "create_app"]
 
-#: Largest request body accepted unless ``--max-body-bytes`` says otherwise (1 MiB).
-DEFAULT_MAX_BODY_BYTES = 1 << 20
+from ensemble_core.server.protocol import DEFAULT_MAX_BODY_BYTES
 
 
 def __getattr__(name: str) -> Any:
     if name == "create_app":
-        from .app import create_app
+        from ensemble_core.server.app import create_app
 
         return create_app
     if name in ("add_serve_parser", "cmd_serve"):
-        from . import cli
+        from ensemble_core.server import cli
 
         return getattr(cli, name)
     raise AttributeError(name)

@@ -7,7 +7,7 @@ endpoint answer 503 until it returns). Per request:
 1. ``Authorization: Bearer`` (401), loading (503), the body, read with a size limit (413),
    parsed strictly (400), the model name (404), the fields (400, :func:`plan`);
 2. the messages are checked by the core's message policy and the options mapped by its
-   option policy (:func:`~ensemble_core.runtime.call_overrides`), then
+   option policy (:func:`~ensemble_core.serving.runtime.call_overrides`), then
    :meth:`Engine.start <ensemble_core.server.engine.Engine.start>` starts the generation;
 3. the answer is sent whole or as server-sent events. A client that goes away cancels its
    generation (a watcher task listens for ``http.disconnect``; a closed event stream does
@@ -38,9 +38,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..chat import normalize_messages
-from ..ensemble import Ensemble
-from ..errors import (
+from ensemble_core.decoding.generation import GenerationResult
+from ensemble_core.ensemble import Ensemble
+from ensemble_core.errors import (
+    ApiError,
+    ClientDisconnected,
     ConfigurationError,
     EnsembleError,
     GenerationCancelled,
@@ -49,12 +51,11 @@ from ..errors import (
     InvalidOptionError,
     PromptTooLongError,
     UnsupportedContentError,
+    UnsupportedParameterError,
 )
-from ..generation import GenerationResult
-from ..runtime import api_finish_reason, call_overrides, result_info, usage
-from . import DEFAULT_MAX_BODY_BYTES
-from .engine import Engine, Generation, LoadingState, Unsupported
-from .protocol import (
+from ensemble_core.server.engine import Engine, Generation, LoadingState
+from ensemble_core.server.protocol import (
+    DEFAULT_MAX_BODY_BYTES,
     IGNORED,
     NEUTRAL_ONLY,
     AssistantMessage,
@@ -67,8 +68,6 @@ from .protocol import (
     CompletionChoice,
     CompletionRequest,
     EnsembleInfo,
-    ErrorDetail,
-    ErrorResponse,
     ModelCard,
     ModelList,
     SamplingFields,
@@ -77,6 +76,8 @@ from .protocol import (
     new_id,
     now,
 )
+from ensemble_core.serving.runtime import api_finish_reason, call_overrides, result_info, usage
+from ensemble_core.text.chat import normalize_messages
 
 log = logging.getLogger("ensemble_core.server")
 
@@ -93,28 +94,16 @@ M = TypeVar("M", bound=BaseModel)
 
 
 # ----------------------------------------------------------------------------- errors
-class ApiError(Exception):
-    """An error answer in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param,
-                                               code=self.code)).model_dump()
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+def error_response(err: ApiError) -> JSONResponse:
+    """The HTTP answer of an :class:`~ensemble_core.errors.ApiError`."""
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def api_error(exc: BaseException, input_param: str = "messages") -> ApiError:
     """The answer for an exception raised while handling a request (see the table in docs/serving.md)."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, Unsupported):
+    if isinstance(exc, UnsupportedParameterError):
         return ApiError(400, str(exc), param=exc.param, code="unsupported_parameter")
     if isinstance(exc, PromptTooLongError):
         return ApiError(400, str(exc), param=input_param, code="context_length_exceeded")
@@ -188,7 +177,7 @@ def check_neutral(request: SamplingFields) -> None:
                        param="n", code="unsupported_value")
     for name, (neutral, why) in NEUTRAL_ONLY.items():
         if name in type(request).model_fields and not neutral(getattr(request, name)):
-            raise Unsupported(name, why)
+            raise UnsupportedParameterError(name, why)
     if request.stream_options is not None and not request.stream:
         raise ApiError(400, "The 'stream_options' parameter is only allowed when 'stream' is true.",
                        param="stream_options", code="invalid_value")
@@ -363,10 +352,6 @@ class CompletionFormat:
 
 
 # ----------------------------------------------------------------------------- disconnects
-class ClientGone(Exception):
-    """The client disconnected before its answer was complete."""
-
-
 class DisconnectWatcher:
     """Listens for ``http.disconnect`` while a request is being answered; cancels its generation then.
 
@@ -402,7 +387,7 @@ class DisconnectWatcher:
         self.task.cancel()
 
     async def guard(self, awaitable: Awaitable[Any]) -> Any:
-        """Await ``awaitable`` unless the client leaves first (then cancel it and raise :class:`ClientGone`)."""
+        """Await ``awaitable`` unless the client leaves first (then cancel it and raise :class:`ClientDisconnected`)."""
         work = asyncio.ensure_future(awaitable)
         try:
             await asyncio.wait({work, self.task}, return_when=asyncio.FIRST_COMPLETED)
@@ -414,7 +399,7 @@ class DisconnectWatcher:
         work.cancel()
         with contextlib.suppress(BaseException):
             await work
-        raise ClientGone()
+        raise ClientDisconnected()
 
 
 async def _first(deltas: AsyncIterator[str]) -> str | None:
@@ -448,7 +433,7 @@ async def answer(request: Request, engine: Engine, plan: Plan, fmt: ChatFormat |
         # the first delta (or the end) before the status line: errors in the first round (a prompt too
         # long for a member's window...) are still a proper error status, not an event in a 200 stream
         first = await watcher.guard(_first(deltas))
-    except ClientGone:
+    except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it
     except BaseException:
         watcher.done()
@@ -591,7 +576,7 @@ def create_app(ensemble: Ensemble | None = None, *, load: Callable[[], Ensemble]
             except ClientDisconnect:  # gone while sending its body: nothing started, nobody to answer
                 return Response(status_code=499)
             except Exception as exc:
-                return api_error(exc, input_param).response()
+                return error_response(api_error(exc, input_param))
         return wrapped
 
     @app.get("/health")
@@ -643,11 +628,11 @@ def create_app(ensemble: Ensemble | None = None, *, load: Callable[[], Ensemble]
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code).response()
+        return error_response(ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code))
 
     @app.exception_handler(RequestValidationError)
     async def request_error(request: Request, exc: RequestValidationError) -> Response:
-        return ApiError(400, f"Invalid request: {exc.errors()[:1]}", code="invalid_type").response()
+        return error_response(ApiError(400, f"Invalid request: {exc.errors()[:1]}", code="invalid_type"))
 
     return app
 

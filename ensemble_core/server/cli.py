@@ -24,8 +24,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import EnsembleError, InvalidOptionError, MissingDependencyError
-from ..members import Member
+from ensemble_core.decoding.members import Member
+from ensemble_core.errors import EnsembleError, InvalidOptionError, MissingDependencyError
 
 #: Options of tiny members that make them write varied text (default random init repeats one token).
 TINY_OPTIONS: dict[str, Any] = {"initializer_range": 0.2, "tie_word_embeddings": False}
@@ -34,9 +34,10 @@ THREADS_ENV = "ENSEMBLE_THREADS"
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``serve`` flags to ``p`` (used by ``ensemble serve`` and ``python -m ensemble_core.server``)."""
-    from ..cli import add_load_flags
-    from ..ensemble import DEFAULT_MEMBERS, METHODS
-    from . import DEFAULT_MAX_BODY_BYTES
+    from ensemble_core.ensemble import DEFAULT_MEMBERS
+    from ensemble_core.flags import add_load_flags
+    from ensemble_core.methods import METHODS
+    from ensemble_core.server.protocol import DEFAULT_MAX_BODY_BYTES
 
     p.add_argument("--members", nargs="+", metavar="MEMBER", default=None,
                    help="aliases, local directories, .gguf files or Hugging Face ids "
@@ -72,10 +73,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def load_member(name: str, options: dict[str, Any]) -> Member:
     """One member: ``tiny:ALIAS[:SEED]`` or anything :func:`ensemble_core.resolve_members` accepts."""
-    from ..ensemble import resolve_members
+    from ensemble_core.ensemble import resolve_members
 
     if name.startswith("tiny:"):
-        from ..testing import tiny_member
+        from ensemble_core.testing import tiny_member
 
         alias, _, seed = name[len("tiny:"):].partition(":")
         if seed and not seed.isdigit():
@@ -86,8 +87,8 @@ def load_member(name: str, options: dict[str, Any]) -> Member:
 
 def method_config(args: argparse.Namespace) -> dict[str, Any]:
     """``--set`` values, checked against the method's config before anything loads."""
-    from ..cli import parse_sets
-    from ..ensemble import method_class
+    from ensemble_core.flags import parse_sets
+    from ensemble_core.methods import method_class
 
     sets = parse_sets(args.set)
     extra = [k for k in sets if k != "*"]
@@ -113,13 +114,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .app import create_app
+        from ensemble_core.server.app import create_app
     except ImportError as exc:
         raise MissingDependencyError(exc.name or "fastapi", "ensemble serve", "pip install 'tokensemble[serve]'") from exc
     import torch
 
-    from ..cli import member_options
-    from ..ensemble import DEFAULT_MEMBERS, Ensemble
+    from ensemble_core.ensemble import DEFAULT_MEMBERS, Ensemble
+    from ensemble_core.flags import member_options
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     threads = args.threads if args.threads is not None else int(os.environ.get(THREADS_ENV, "0") or 0)

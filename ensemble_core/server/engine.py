@@ -1,8 +1,8 @@
 """Where the server starts generations, and what it counts about them.
 
 :meth:`Engine.start` is the **one** place a request becomes a generation. It builds a
-:class:`ServedRun` (a :class:`~ensemble_core.runtime.Run`: one worker thread per request).
-With the ensemble's batching on (the default, :mod:`ensemble_core.batching`) concurrent
+:class:`ServedRun` (a :class:`~ensemble_core.serving.runtime.Run`: one worker thread per request).
+With the ensemble's batching on (the default, :mod:`ensemble_core.decoding.scheduler`) concurrent
 requests step at the same time and their rows share each member's forward passes
 (continuous batching: a new request joins at the next pass, a finished or disconnected
 one stops submitting); with ``batching=False`` the ensemble's lock is held per round and
@@ -10,7 +10,7 @@ requests interleave round by round. The app only uses the :class:`Generation` in
 
 * ``astream()``: an async iterator of text deltas; closing it early, or cancelling the task
   that awaits it, cancels the generation;
-* ``result``: the :class:`~ensemble_core.generation.GenerationResult` once the stream is exhausted;
+* ``result``: the :class:`~ensemble_core.decoding.generation.GenerationResult` once the stream is exhausted;
 * ``cancel()``: stop after the current round (idempotent).
 
 :meth:`Engine.generate_keywords` is the one place that decides which request features
@@ -26,11 +26,11 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Protocol
 
-from ..chat import Prompt
-from ..ensemble import Ensemble
-from ..errors import EnsembleError, GenerationCancelled, GenerationTimeout, InputError
-from ..generation import GenerationResult
-from ..runtime import Run, config_fields
+from ensemble_core.decoding.generation import GenerationResult
+from ensemble_core.ensemble import Ensemble
+from ensemble_core.errors import EnsembleError, GenerationCancelled, GenerationTimeout, InputError, UnsupportedParameterError
+from ensemble_core.serving.runtime import Run, config_fields
+from ensemble_core.text.chat import Prompt
 
 log = logging.getLogger("ensemble_core.server")
 
@@ -102,7 +102,7 @@ class Engine:
         return ServedRun(self, self.ensemble, prompt, {**overrides, **(features or {})}, self.timeout)
 
     def generate_keywords(self, requested: Mapping[str, Any]) -> dict[str, Any]:
-        """Request features (``tools`` …) → keywords for the core; raises :class:`Unsupported` for the others.
+        """Request features (``tools`` …) → keywords for the core; raises :class:`UnsupportedParameterError` for the others.
 
         A feature passes through when the core takes it (``Ensemble.stream(tools=...)`` or a
         config field of that name; the core validates it); otherwise a non-neutral value is
@@ -116,8 +116,8 @@ class Engine:
             if name in self.core_features:
                 out[name] = value
             else:
-                raise Unsupported(name, "tool calling and structured output are not available in this version of the "
-                                        "ensemble core")
+                raise UnsupportedParameterError(
+                    name, "tool calling and structured output are not available in this version of the ensemble core")
         return out
 
     # ------------------------------------------------------------------ bookkeeping
@@ -138,14 +138,6 @@ class Engine:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counters)
-
-
-class Unsupported(Exception):
-    """A request field the server or the core cannot honour (400 ``unsupported_parameter``)."""
-
-    def __init__(self, param: str, why: str) -> None:
-        self.param = param
-        super().__init__(f"Unsupported parameter {param!r}: {why}.")
 
 
 class LoadingState:

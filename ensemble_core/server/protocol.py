@@ -24,6 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 #: Request models: no coercion, no unknown fields.
 STRICT = ConfigDict(extra="forbid", strict=True)
 
+#: Largest request body accepted unless ``--max-body-bytes`` says otherwise (1 MiB).
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
 
 class ErrorDetail(BaseModel):
     message: str
@@ -70,7 +73,7 @@ class SamplingFields(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``. Messages are checked by the core (``ensemble_core.chat``)."""
+    """``POST /v1/chat/completions``. Messages are checked by the core (``ensemble_core.text.chat``)."""
 
     messages: list[Any]
     max_completion_tokens: int | None = None

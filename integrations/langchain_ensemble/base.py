@@ -19,12 +19,12 @@ unknown keyword args      names that are not config fields raise ConfigurationEr
                           members' own stop strings (``"\\nUser:"`` for template-less
                           members) are always added by the core
 ``tools``,                the core's config fields of the same names (OpenAI-style specs, see
-``tool_choice``,          ``ensemble_core.structured``); set by ``bind_tools`` /
+``tool_choice``,          ``ensemble_core.constraints.structured``); set by ``bind_tools`` /
 ``response_format``       ``with_structured_output`` (``chat_models``), or per call
 (all of the above)        mapped by the core's option policy,
-                          :func:`ensemble_core.runtime.call_overrides`, shared with LlamaIndex
+                          :func:`ensemble_core.serving.runtime.call_overrides`, shared with LlamaIndex
 ``timeout``               seconds; the core stream's cancel event is set at the deadline and
-                          :class:`~ensemble_core.runtime.GenerationTimeout` is raised
+                          :class:`~ensemble_core.serving.runtime.GenerationTimeout` is raised
 ``max_retries``           accepted and validated, never used: local generation has no
                           transient (network, rate-limit) errors to retry, and repeating a
                           deterministic failure would only waste time
@@ -43,9 +43,23 @@ from typing import Any
 from langchain_core.utils.pydantic import get_fields
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
-from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, method_class
-from ensemble_core.chat import Prompt
-from ensemble_core.runtime import Run, call_overrides, collect_method_options, merge_options, result_info, shared_ensemble
+from ensemble_core import (
+    DEFAULT_MEMBERS,
+    ConfigurationError,
+    Ensemble,
+    GenerationResult,
+    InvalidOptionError,
+    method_class,
+)
+from ensemble_core.serving.runtime import (
+    Run,
+    call_overrides,
+    collect_method_options,
+    merge_options,
+    result_info,
+    shared_ensemble,
+)
+from ensemble_core.text.chat import Prompt
 
 DEFAULT_METHOD = "safe"
 PROVIDER = "ensemble"

@@ -37,9 +37,10 @@ from pydantic import BaseModel
 from typing_extensions import is_typeddict
 
 from ensemble_core import ConfigurationError, Ensemble, GenerationResult, InvalidOptionError
-from ensemble_core.constraints import check_tools
-from ensemble_core.runtime import Run
-from ensemble_core.structured import closed_schema, structured_request
+from ensemble_core.constraints.grammar import check_tools
+from ensemble_core.constraints.schemas import closed_schema
+from ensemble_core.constraints.structured import structured_request
+from ensemble_core.serving.runtime import Run
 
 from .base import EnsembleFields, response_metadata, usage_metadata
 from .messages import ReplyStream, lc_tool_call_chunks, lc_tool_calls, reply_content, to_core_messages
@@ -172,7 +173,7 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
             llm.invoke("Name the capital of France.").content
 
     Weights and the ensemble object are shared by every instance with the same members,
-    method and config (see :mod:`ensemble_core.runtime`), so building a new
+    method and config (see :mod:`ensemble_core.serving.runtime`), so building a new
     ``ChatEnsemble`` per request is cheap.
 
     ``usage_metadata`` counts tokens with the method's *primary* member's tokenizer (SAFE:
@@ -288,7 +289,7 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
                 response_format = response_format_for(schema, str(kind), strict)
             structured_request(response_format=response_format)  # a bad schema raises here, typed
             if method == "json_schema":
-                from ensemble_core.constraints import JsonConstraint
+                from ensemble_core.constraints.grammar import JsonConstraint
 
                 JsonConstraint(response_format["json_schema"]["schema"])
             llm = self.bind(response_format=response_format, **trace)

@@ -18,7 +18,7 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from ensemble_core import Ensemble, GenerationResult
-from ensemble_core.runtime import Run
+from ensemble_core.serving.runtime import Run
 
 from .base import EnsembleFields, response_metadata, usage_metadata
 

@@ -3,7 +3,7 @@
 Only the *translation* of LangChain types lives here. What is done with content blocks,
 tool calls and tool results (joining text with a newline, dropping reasoning, rendering
 tools per member), and merging consecutive same-role messages, is the core's message
-policy (:mod:`ensemble_core.chat`), shared with the LlamaIndex adapter and the server.
+policy (:mod:`ensemble_core.text.chat`), shared with the LlamaIndex adapter and the server.
 
 * ``SystemMessage`` → ``system``, ``HumanMessage`` → ``user``, ``AIMessage`` → ``assistant``
   (with its ``tool_calls``), ``ToolMessage`` → ``tool`` (with ``tool_call_id`` and ``name``),
@@ -15,7 +15,7 @@ policy (:mod:`ensemble_core.chat`), shared with the LlamaIndex adapter and the s
 * A message's ``name`` is not rendered: the members' chat templates have no field for it.
 
 The other direction (:func:`lc_tool_calls`, :func:`lc_tool_call_chunks`, :class:`ReplyStream`)
-turns the core's :class:`~ensemble_core.structured.StructuredOutput` into ``AIMessage.tool_calls``
+turns the core's :class:`~ensemble_core.constraints.structured.StructuredOutput` into ``AIMessage.tool_calls``
 / ``invalid_tool_calls`` and a stream's ``tool_call_chunks``.
 """
 
@@ -37,7 +37,7 @@ from langchain_core.messages import (
 from langchain_core.messages.tool import InvalidToolCall, ToolCall, ToolCallChunk, invalid_tool_call, tool_call, tool_call_chunk
 
 from ensemble_core import InputError, UnsupportedContentError
-from ensemble_core.structured import ReplyStream, StructuredOutput, reply_content
+from ensemble_core.constraints.structured import ReplyStream, StructuredOutput, reply_content
 
 _CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "ai": "assistant",
                "tool": "tool"}

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from langchain_ensemble import ChatEnsemble  # noqa: E402
 from test_agents import METHODS, PAIR, STRUCTURED_PROMPTS, TOOL_PROMPTS, TOOLS, _valid_call  # noqa: E402
 
-from ensemble_core.generation import GenerationConfig  # noqa: E402
+from ensemble_core.decoding.generation import GenerationConfig  # noqa: E402
 
 
 def tool_record(chat: ChatEnsemble, prompt: str, choice: str) -> dict:

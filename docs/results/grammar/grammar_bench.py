@@ -224,9 +224,9 @@ class LLGuidance(Adapter):
         import llguidance.hf
         import llguidance.torch
 
-        if self.fast:  # ensemble_core.constraints' vocabulary reader (no tokenizer.json round trip)
+        if self.fast:  # ensemble_core.constraints.grammar' vocabulary reader (no tokenizer.json round trip)
             sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-            from ensemble_core.constraints import _Vocabulary, token_table
+            from ensemble_core.constraints.grammar import _Vocabulary, token_table
 
             tokens, special = token_table(tok)
             tokens = tokens + [b""] * (v - len(tokens))

@@ -3,7 +3,7 @@
 Run on a quiet machine: ``python docs/results/throughput/adapter_load.py [method] [concurrent] [tokens]
 [threads]`` (defaults: ``safe 8 64 2``). A RAG pipeline's or an evaluation's batch reaches the
 ensemble as ``ChatEnsemble.abatch``: LangChain runs one ``ainvoke`` per input, each a
-:class:`ensemble_core.runtime.Run` in a worker thread, and their rows share the members' forward
+:class:`ensemble_core.serving.runtime.Run` in a worker thread, and their rows share the members' forward
 passes. Sequence (the baseline brackets the batch, as in ``ensemble bench --throughput``): one
 short warm-up call and the members' token tables, half of the questions through ``invoke`` one
 at a time, all of them through ``abatch``, the other half one at a time. Prints completion
@@ -25,8 +25,8 @@ import torch
 from langchain_ensemble import ChatEnsemble
 
 from ensemble_core import Ensemble
+from ensemble_core.bench.datasets import cot_prompt, load_dataset
 from ensemble_core.bench.report import cpu_ticks, steal_share
-from ensemble_core.datasets import cot_prompt, load_dataset
 
 
 def tokens_of(message: Any) -> int:

@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from server_utils import ServerProcess, percentile  # noqa: E402 - the suite's own server harness
 
+from ensemble_core.bench.datasets import cot_prompt, load_dataset  # noqa: E402
 from ensemble_core.bench.report import cpu_ticks, steal_share  # noqa: E402
-from ensemble_core.datasets import cot_prompt, load_dataset  # noqa: E402
 
 TIMEOUT_S = 900.0  # one request's client timeout; the burst gets the same bound
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from ensemble_core import batching
 from ensemble_core.bench import throughput as tp
-from ensemble_core.datasets import cot_prompt, load_dataset
+from ensemble_core.bench.datasets import cot_prompt, load_dataset
+from ensemble_core.decoding import scheduler as batching
 from ensemble_core.ensemble import resolve_members
-from ensemble_core.members import MemberSpec
-from ensemble_core.products import is_prepacked
+from ensemble_core.models.loading import MemberSpec
+from ensemble_core.models.products import is_prepacked
 
 CALLS: list[tuple[float, float]] = []
 FLUSHES: list[tuple[bool, int]] = []

@@ -1,7 +1,7 @@
 """Where a batched run's time goes: every ``batched_forward`` call of ``Ensemble.batch`` timed.
 
 Run on a quiet machine: ``python docs/results/throughput/trace_passes.py [requests] [tokens] [threads] [gather]``
-(``gather``: every pass gathers the rows' caches, as before :mod:`ensemble_core.slab`; runs
+(``gather``: every pass gathers the rows' caches, as before :mod:`ensemble_core.decoding.slab`; runs
 in both modes alternate with ``repeat`` as the fifth argument).
 The bench's single-model case (SmolLM2 through the bundled pair's ``single`` method, GSM8K
 prompts, zero-shot CoT): the wall time of the batch, split into its batched decode passes
@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from ensemble_core import Ensemble, Member, batching
-from ensemble_core.datasets import cot_prompt, load_dataset
+from ensemble_core import Ensemble, Member
+from ensemble_core.bench.datasets import cot_prompt, load_dataset
+from ensemble_core.decoding import scheduler as batching
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ The Qwen2.5-0.5B body (24 layers of its q, k, v, o, gate, up and down products, 
 weights of the real shapes, every layer its own so that weights stream from memory as in
 a real pass) and the three bundled output heads, each computed as float32 ``linear``
 (MKL), float32 ``torch.ops.mkldnn._linear_pointwise`` on the dense weight (oneDNN, what
-:mod:`ensemble_core.products` uses) and bfloat16 ``linear`` (oneDNN). ms per call, median
+:mod:`ensemble_core.models.products` uses) and bfloat16 ``linear`` (oneDNN). ms per call, median
 of 5. ``python docs/results/trio/cpu-kernels/body_products.py [threads]``; the figures in
 docs/benchmarks.md ("oneDNN products") and in ``products.py`` come from it, on the 2-core
 AMD EPYC with avx512_bf16 (2026-12-02).

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from ensemble_core import Member
-from ensemble_core.members import cpu_model
-from ensemble_core.products import CpuLinear, prepack
+from ensemble_core.models.loading import cpu_model
+from ensemble_core.models.products import CpuLinear, prepack
 
 PROMPT = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
           "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 "

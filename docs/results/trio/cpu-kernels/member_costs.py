@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ensemble_core import Member
-from ensemble_core.members import cpu_has_native_bf16
+from ensemble_core.models.loading import cpu_has_native_bf16
 
 PROMPT = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
           "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 "

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fused_prepacked import Layouts  # noqa: E402
 
 from ensemble_core import Ensemble, Member  # noqa: E402
+from ensemble_core.bench.datasets import cot_prompt, load_dataset  # noqa: E402
 from ensemble_core.bench.runner import HFSingleRunner  # noqa: E402
-from ensemble_core.datasets import cot_prompt, load_dataset  # noqa: E402
-from ensemble_core.members import cpu_model  # noqa: E402
+from ensemble_core.models.loading import cpu_model  # noqa: E402
 
 LAYOUTS = ("plain", "fused+prepacked")
 

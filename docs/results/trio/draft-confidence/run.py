@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from ensemble_core import Ensemble, Member
+from ensemble_core.bench.datasets import cot_prompt, load_dataset, score
 from ensemble_core.bench.runner import HFSingleRunner
-from ensemble_core.datasets import cot_prompt, load_dataset, score
-from ensemble_core.members import cpu_model
+from ensemble_core.models.loading import cpu_model
 
 STOP = ("\nQuestion:",)
 

@@ -15,9 +15,9 @@ import sys
 import torch
 
 from ensemble_core.bench.runner import BenchOptions, run_bench
+from ensemble_core.decoding.members import Member
 from ensemble_core.ensemble import resolve_members
-from ensemble_core.members import Member
-from ensemble_core.quantize import quantize_int8
+from ensemble_core.models.quantize import quantize_int8
 
 torch.set_num_threads(int(sys.argv[1]))
 small, qwen = resolve_members(["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from ensemble_core import Ensemble
-from ensemble_core.datasets import cot_prompt, load_dataset
+from ensemble_core.bench.datasets import cot_prompt, load_dataset
 from ensemble_core.ensemble import resolve_members
 
 

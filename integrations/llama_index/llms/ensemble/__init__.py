@@ -9,7 +9,7 @@ here for one release.
 
 from llama_index.embeddings.ensemble import LocalSentenceEmbedding
 
-from ensemble_core.runtime import clear_shared, shared_ensemble
+from ensemble_core.serving.runtime import clear_shared, shared_ensemble
 
 from .base import EnsembleLLM, default_context_margin
 

@@ -5,7 +5,7 @@ the sync / async / streaming plumbing. All generation logic (SAFE, SpecEM, the
 baselines, stop strings, cancellation, token counting) lives in
 :class:`ensemble_core.Ensemble`, which the LangChain adapter wraps too.
 
-Threading (see :mod:`ensemble_core.runtime`): the core's generation is a blocking iterator (one method
+Threading (see :mod:`ensemble_core.serving.runtime`): the core's generation is a blocking iterator (one method
 round per step). The async methods run it in a worker thread, so the event loop keeps
 serving other tasks; cancelling the awaiting task sets the core stream's cancel event and
 the worker stops after the round it is in.
@@ -35,10 +35,18 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
 from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, Member
-from ensemble_core.chat import Prompt, normalize_tool_call
-from ensemble_core.constraints import check_tools
-from ensemble_core.runtime import Run, call_overrides, collect_method_options, config_fields, merge_options, shared_ensemble
-from ensemble_core.structured import ReplyStream, closed_schema, reply_content
+from ensemble_core.constraints.grammar import check_tools
+from ensemble_core.constraints.schemas import closed_schema
+from ensemble_core.constraints.structured import ReplyStream, reply_content
+from ensemble_core.serving.runtime import (
+    Run,
+    call_overrides,
+    collect_method_options,
+    config_fields,
+    merge_options,
+    shared_ensemble,
+)
+from ensemble_core.text.chat import Prompt, normalize_tool_call
 
 from .messages import assistant_message, extra_kwargs, raw_payload, to_core_messages
 
@@ -165,7 +173,7 @@ class EnsembleLLM(FunctionCallingLLM):
     def _overrides(self, kwargs: Dict[str, Any]) -> Dict[str, Any]:
         """Per-call generation options: the fields, overridden by the call's keyword arguments.
 
-        The core's option policy (:func:`ensemble_core.runtime.call_overrides`): a per-call
+        The core's option policy (:func:`ensemble_core.serving.runtime.call_overrides`): a per-call
         ``stop`` replaces the field's, ``max_tokens`` is ``max_new_tokens``, temperature 0 is
         greedy, any other name must be a config field of the method.
         """

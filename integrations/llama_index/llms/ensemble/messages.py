@@ -2,7 +2,7 @@
 
 Only the *translation* of LlamaIndex types lives here; what is done with content parts,
 tool calls and tool results (joining, dropping, rendering per member) is the core's
-message policy (:mod:`ensemble_core.chat`), shared with the LangChain adapter and the server.
+message policy (:mod:`ensemble_core.text.chat`), shared with the LangChain adapter and the server.
 
 Messages are passed through as messages (never flattened into one prompt string by
 ``messages_to_prompt``: that would hide the turns from the templates the members were
@@ -30,8 +30,8 @@ from llama_index.core.base.llms.types import (
 )
 
 from ensemble_core import Ensemble, GenerationResult, InputError
-from ensemble_core.runtime import api_finish_reason, result_info, usage
-from ensemble_core.structured import StructuredOutput
+from ensemble_core.constraints.structured import StructuredOutput
+from ensemble_core.serving.runtime import api_finish_reason, result_info, usage
 
 #: LlamaIndex role → core role.
 ROLE_MAP: dict[str, str] = {

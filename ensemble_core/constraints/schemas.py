@@ -1,0 +1,55 @@
+"""JSON Schema rewrites: one walk over every (sub)schema, and the rewrites built on it.
+
+Used below the grammar engine (:func:`~ensemble_core.constraints.grammar.bounded_integers`)
+and by the adapters' strict mode (:func:`closed_schema`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+# ----------------------------------------------------------------------------- schemas
+#: Keywords whose value is a subschema or a list of them, and keywords whose value maps names to
+#: subschemas (``not`` is left alone: a rewrite inside it would invert its meaning).
+_SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "allOf", "oneOf", "additionalProperties", "contains"})
+
+
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def map_subschemas(schema: Any, fix: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """A copy of a JSON Schema with ``fix`` applied to every (sub)schema, innermost first.
+
+    The one walk behind every schema rewrite (:func:`closed_schema`,
+    :func:`ensemble_core.constraints.grammar.bounded_integers`); ``fix`` gets a fresh dict it may change.
+    """
+    if isinstance(schema, list):
+        return [map_subschemas(s, fix) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: map_subschemas(v, fix) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), Mapping):
+            out[key] = {name: map_subschemas(sub, fix) for name, sub in schema[key].items()}
+    return fix(out)
+
+
+def _close(node: dict[str, Any]) -> dict[str, Any]:
+    if (node.get("type") == "object" or "properties" in node) and "additionalProperties" not in node:
+        node["additionalProperties"] = False
+    return node
+
+
+def closed_schema(schema: Any) -> Any:
+    """A copy of a JSON Schema whose objects allow no undeclared properties (where it does not say).
+
+    What OpenAI's strict mode requires, and the adapters' default for tool parameters and
+    schemas (``strict=None``): a schema that lists properties almost always means "these
+    fields", a small model left free to add keys spends the token budget on them (seen with
+    the bundled pair: the schema's own keywords written as extra keys), and a function or a
+    pydantic class accepts only what it declares. ``additionalProperties: true`` in the
+    schema (or ``strict=False`` in the adapters) keeps extra keys allowed.
+    """
+    return map_subschemas(schema, _close)
+

@@ -1,0 +1,206 @@
+"""Drafting: a member continues the text on its own, token by token, through its KV cache.
+
+Two loops, shared by the methods and by the Ray actor that runs them next to a remote
+member's cache (:mod:`ensemble_core.remote.actor`), which is why they live below both:
+
+* :func:`draft_tokens`: SAFE's drafter drafts a few tokens ahead of the committed text and
+  keeps its distribution at each (the verifiers compare against them);
+* :func:`draft_segment`: a SpecEM / generate-then-select candidate: a segment drafted on a
+  branch of the cache (rewound afterwards), stopping at EOS, a stop string or its length,
+  with the drafter's own scores of it (:class:`DraftScores`, so that it need not verify its
+  own candidate).
+
+Both feed prompt-lookup guesses (:mod:`~ensemble_core.decoding.lookup`) with each pass when
+asked, keep the guesses they would choose anyway and cut the rest. A state whose model runs
+elsewhere runs the same loop there (:func:`~ensemble_core.decoding.rows.delegate`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ensemble_core.decoding.lookup import propose
+from ensemble_core.decoding.pipeline import TokenPipeline
+from ensemble_core.decoding.rows import TensorRows, delegate
+from ensemble_core.decoding.verify_inline import Mark, branch_feed, branch_marks, cache_branch, rewind
+from ensemble_core.text.alignment import (
+    DECODE_CONTEXT,
+    PARTIAL_CHAR_TOKENS,
+    REPLACEMENT_CHAR,
+    decode_suffix,
+)
+
+
+def draft_tokens(state: Any, limit: int, budget: int, pipeline: TokenPipeline, confidence: float = 0.0,
+                 lookup: int = 0) -> tuple[list[int], Any]:
+    """The drafter's loop: ``limit`` tokens (a few more to finish a character), never past ``budget`` or EOS.
+
+    With ``confidence`` > 0 the draft also ends after a token the drafter gave less than
+    that probability (:attr:`SafeConfig.draft_confidence`). With ``lookup`` > 0 each pass
+    also feeds up to that many tokens guessed by prompt lookup (:mod:`~ensemble_core.decoding.lookup`),
+    whose rows serve the next choices as long as the guesses come true; the ones that do not
+    are cropped (:attr:`SafeConfig.prompt_lookup`). Returns the drafted ids and their
+    distributions as rows (:mod:`~ensemble_core.decoding.rows`).
+    Tokens are chosen by the member's ``pipeline`` (its grammar, when constrained, advances
+    with them; the caller restores it). The last drafted token is not fed (the next round
+    feeds it, or it is cropped). A state whose model runs elsewhere drafts next to its cache
+    in one call; a constrained draft runs here, token by token, because the grammar lives here.
+    """
+    own = delegate(state, "draft_tokens") if not pipeline.constrained else None
+    if own is not None:
+        return own(limit, budget, pipeline.config, pipeline.generator, confidence, lookup)
+    member = state.member
+    base = len(state.ids)
+    context = state.ids[max(0, base - DECODE_CONTEXT):base]
+    ids: list[int] = []
+    probs: list[torch.Tensor] = []
+    guesses = propose(state.ids, min(lookup, limit - 1, budget - 1))
+    rows = state.score(guesses)
+    row, ahead = rows[0], list(zip(guesses, rows[1:]))  # ahead: fed guesses and the rows after them
+    while True:
+        token, p = pipeline.next_token(row)
+        assert p is not None
+        ids.append(token)
+        probs.append(p)
+        pipeline.accept(token)
+        if token in member.eos_token_ids or len(ids) >= budget:
+            break
+        if confidence and float(p[token]) < confidence:
+            limit = min(limit, len(ids))  # an unsure token: likely an ensemble point, drafting on is likely wasted
+        if len(ids) >= limit and (len(ids) >= limit + PARTIAL_CHAR_TOKENS or not decode_suffix(
+                member.tokenizer, context, ids).endswith(REPLACEMENT_CHAR)):
+            break
+        if ahead and ahead[0][0] == token:  # the guess came true: its row is already computed
+            row = ahead.pop(0)[1]
+            continue
+        if ahead:  # a guess missed: drop it and the guesses fed after it
+            state.crop(base + len(ids) - 1)
+            ahead = []
+        guesses = propose([*state.ids, token], min(lookup, limit - len(ids) - 1, budget - len(ids) - 1)) if lookup else []
+        rows = state.score([token, *guesses])  # the last drafted token is fed next round (or cropped)
+        row, ahead = rows[1], list(zip(guesses, rows[2:]))
+    if len(state.ids) > base + len(ids) - 1:  # fed guesses past the draft's end (and its last token)
+        state.crop(base + len(ids) - 1)
+    return ids, TensorRows(probs)
+
+
+@dataclass(frozen=True)
+class DraftScores:
+    """The drafter's own scores of its draft, kept from the rows it drafted from.
+
+    Why: every verifier scores every candidate, and for the verifier's *own* candidate
+    those scores are the rows of its drafting steps (row ``j`` predicted token ``j``), so
+    the packed verify pass can leave that candidate out: a member verifies K-1 candidates,
+    not K (half of the positions for a pair; in generate-then-select a whole answer). The
+    values equal the packed pass's up to floating-point summation order.
+
+    ``token[kind][j]`` is the score of ``ids[j]``; ``end[kind][j]`` the score of ending
+    after ``ids[:j]`` (see ``verify_inline._end_value``), for every row the draft computed.
+    """
+
+    ids: tuple[int, ...]
+    token: dict[str, tuple[float, ...]]
+    end: dict[str, tuple[float, ...]]
+
+    def values(self, ids: Sequence[int], terminal: bool, kind: str) -> torch.Tensor | None:
+        """The scores of ``ids`` (+ its end) if they start the draft, else None (score them in the pass)."""
+        k = len(ids)
+        if tuple(int(t) for t in ids) != self.ids[:k] or kind not in self.token:
+            return None
+        values = list(self.token[kind][:k])
+        if terminal:
+            if k >= len(self.end[kind]):
+                return None
+            values.append(self.end[kind][k])
+        return torch.tensor(values, dtype=torch.float32)
+
+
+def row_scores(row: torch.Tensor, token: int, eos_ids: Sequence[int]) -> torch.Tensor:
+    """``[logprob of token, logit of token, logprob of ending, logit of ending]`` under ``row``,
+    as the verify pass computes them (kept on the row's device: one transfer per draft, not per step)."""
+    logprobs = torch.log_softmax(row, dim=-1)
+    if not eos_ids:
+        end = row.new_full((2,), -math.inf)
+    else:
+        eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=row.device)
+        end = torch.stack([torch.logsumexp(logprobs[eos], dim=0), row[eos].max()])
+    return torch.cat([torch.stack([logprobs[token], row[token]]), end]).float()
+
+
+def _draft_scores(ids: list[int], rows: list[torch.Tensor]) -> DraftScores:
+    """:class:`DraftScores` from :func:`row_scores` of every row the draft computed."""
+    table = torch.stack(rows).tolist() if rows else []
+    return DraftScores(tuple(ids),
+                       {"logprob": tuple(r[0] for r in table[:len(ids)]), "logit": tuple(r[1] for r in table[:len(ids)])},
+                       {"logprob": tuple(r[2] for r in table), "logit": tuple(r[3] for r in table)})
+
+
+# ----------------------------------------------------------------------------- draft / verify
+def _find_stop(text: str, stops: Sequence[str]) -> int:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+@torch.inference_mode()
+def draft_segment(state: Any, length: int, pipeline: TokenPipeline, stops: Sequence[str], tail: str,
+                  lookup: int = 0) -> tuple[list[int], str | None, str, DraftScores | None]:
+    """The drafting loop of :func:`draft` on a cache branch: ``(ids, end, raw text, own scores)``.
+
+    ``tail`` is the end of the shared text (a stop string may start in it). A state whose
+    model runs elsewhere runs this loop next to its cache in one call (and refuses a
+    grammar, which lives here). The scores are taken from the raw rows, before any
+    grammar mask or sampling transform, as the verify pass sees them. With ``lookup`` > 0
+    each pass also feeds up to that many tokens guessed by prompt lookup
+    (:mod:`~ensemble_core.decoding.lookup`); their rows serve the next choices while the guesses come
+    true, and the branch is cut back behind the first that does not.
+    """
+    own = delegate(state, "draft_segment")
+    if own is not None:
+        return own(length, pipeline.config, pipeline.generator, stops, tail, pipeline.grammar, lookup)
+    member = state.member
+    row = state.score()[-1]
+    ids: list[int] = []
+    end: str | None = None
+    text = ""
+    kept: list[torch.Tensor] = []  # per row: its token's and ending's scores (row_scores)
+    ahead: list[tuple[int, torch.Tensor]] = []  # fed guesses and the rows after them
+    marks: list[Mark] = []  # the branch before the last pass with guesses
+    fed = 0  # that pass's guesses
+    with cache_branch(state):
+        while True:
+            token, _ = pipeline.next_token(row, keep_probs=False)
+            kept.append(row_scores(row, token, member.eos_token_ids))
+            if token in member.eos_token_ids:
+                end = "eos"
+                break
+            pipeline.accept(token)
+            ids.append(token)
+            if stops or len(ids) >= length:
+                text = decode_suffix(member.tokenizer, state.ids, ids)
+            if stops:
+                at = _find_stop(tail + text, stops)
+                if at >= 0:
+                    text, end = text[: max(at - len(tail), 0)], "stop"
+                    break
+            if len(ids) >= length and not (text.endswith(REPLACEMENT_CHAR) and len(ids) < length + PARTIAL_CHAR_TOKENS):
+                break
+            if ahead and ahead[0][0] == token:  # the guess came true: its row is already computed
+                row = ahead.pop(0)[1]
+                continue
+            if ahead:  # a guess missed: cut it and the guesses after it off the branch
+                rewind(marks, 1 + fed - len(ahead))  # the token and the guesses that came true
+                ahead = []
+            guesses = propose([*state.ids, *ids], min(lookup, length - len(ids) - 1)) if lookup else []
+            if guesses:
+                marks, fed = branch_marks(state), len(guesses)
+            rows = branch_feed(state, [token, *guesses])
+            row, ahead = rows[0], list(zip(guesses, rows[1:]))
+    if end != "stop":
+        text = decode_suffix(member.tokenizer, state.ids, ids) if ids else ""
+    return ids, end, text, _draft_scores(ids, kept)
+

@@ -1,0 +1,415 @@
+"""The generation loop shared by every ensemble method.
+
+A method is a two-method strategy object, like transformers' ``CandidateGenerator``:
+:meth:`EnsembleMethod.begin` prepares a request (each member's prompt and decoding
+state) and :meth:`EnsembleMethod.step` runs one round and returns the text it
+*committed*. Everything else (stop strings, streaming without retractions, cancellation,
+batching, token counting, timing) lives here once, so SAFE, SpecEM and the baselines
+behave identically towards callers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from ensemble_core.constraints.closing import check_margin
+from ensemble_core.constraints.repetition import LoopPenalty
+from ensemble_core.constraints.structured import (
+    StructuredOutput,
+    StructuredRequest,
+    ToolCall,
+    parse_output,
+    structured_request,
+)
+from ensemble_core.decoding.members import Member
+from ensemble_core.decoding.scheduler import Batcher, BatchingConfig, Binding, bound
+from ensemble_core.decoding.stats import RequestStats
+from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
+from ensemble_core.text.alignment import REPLACEMENT_CHAR
+from ensemble_core.text.chat import Prompt
+from ensemble_core.text.distributions import member_table
+
+FINISH_REASONS = ("stop", "length", "eos", "cancelled")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Options every method understands. Method configs subclass this.
+
+    Greedy decoding by default (the deterministic setting of the papers); with
+    ``do_sample=True`` tokens are drawn at ``temperature`` / ``top_p`` from a generator
+    seeded by ``seed`` so that a seeded run is reproducible. ``temperature=0`` means greedy
+    (as in OpenAI-style APIs), whatever ``do_sample`` says. Values are checked strictly
+    (``max_new_tokens="10"`` or ``True`` is refused, not converted).
+    """
+
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    #: OpenAI-style tool specs, the tool choice and a response format (see :mod:`ensemble_core.constraints.structured`).
+    tools: tuple[dict[str, Any], ...] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+    #: Under a grammar (a forced tool call, a response format): logits taken from tokens that
+    #: would continue a repeat of more than 24 bytes, growing with the repeat, so a member that
+    #: loops inside the JSON ends the value instead of running into the token budget
+    #: (:mod:`ensemble_core.constraints.repetition`). 0 turns it off; free text is never penalized.
+    loop_penalty: float = 1.0
+    #: Under a grammar: over the last ``close_margin`` tokens of the budget, tokens that close a
+    #: string, list or object gain logits (1 at the margin, doubling every 3 tokens), so that a
+    #: member that keeps adding new items still ends the value inside the budget
+    #: (:mod:`ensemble_core.constraints.closing`). None: a quarter of the budget, at least 24 tokens; 0 turns
+    #: it off; free text is never pushed.
+    close_margin: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, (list, tuple)):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidOptionError("stop", self.stop, "a string or a list of non-empty strings")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise InvalidOptionError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        if not isinstance(self.do_sample, bool):
+            raise InvalidOptionError("do_sample", self.do_sample, "True or False")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise InvalidOptionError("temperature", self.temperature, "a number >= 0 (0 decodes greedily)")
+        if self.temperature == 0:
+            object.__setattr__(self, "do_sample", False)
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidOptionError("top_p", self.top_p, "a number in (0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise InvalidOptionError("seed", self.seed, "an integer or None")
+        request = structured_request(self.tools, self.tool_choice, self.response_format)
+        if self.tools is not None:
+            object.__setattr__(self, "tools", tuple(self.tools))
+        object.__setattr__(self, "_structured", request)
+        object.__setattr__(self, "_loops", LoopPenalty(multiplier=self.loop_penalty))  # validates loop_penalty
+        check_margin(self.close_margin)
+
+    @property
+    def structured(self) -> StructuredRequest:
+        """The request's tools / tool choice / response format, validated (:mod:`ensemble_core.constraints.structured`)."""
+        return self._structured  # type: ignore[attr-defined]
+
+    @property
+    def loops(self) -> LoopPenalty:
+        """The loop penalty of constrained output (:mod:`ensemble_core.constraints.repetition`)."""
+        return self._loops  # type: ignore[attr-defined]
+
+    def replace(self, **overrides: Any) -> GenerationConfig:
+        """A copy with ``overrides`` applied (and validated); unknown names raise."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"Unknown option(s) {', '.join(unknown)} for {type(self).__name__}; known: {', '.join(sorted(known))}."
+            )
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items()})
+
+
+@dataclass
+class Chunk:
+    """What one round of a method commits."""
+
+    text: str
+    done: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    """A finished generation. Token counts use the method's primary member's tokenizer."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    seconds: float
+    time_to_first_chunk: float | None
+    stats: dict[str, Any] = field(default_factory=dict)
+    #: The reply read as tool calls / a JSON value, for requests with tools or a response format.
+    structured: StructuredOutput | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The parsed tool calls (empty without tools, or when the ensemble answered in text)."""
+        return self.structured.tool_calls if self.structured else []
+
+    @property
+    def parsed(self) -> Any:
+        """The reply as a JSON value, for a request with a response format (None if it did not parse)."""
+        return self.structured.parsed if self.structured else None
+
+
+def make_generator(config: GenerationConfig, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A seeded generator for sampling, or None for greedy decoding."""
+    if not config.do_sample:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(config.seed if config.seed is not None else int(torch.seed() % 2**63))
+    return gen
+
+
+def choose_token(probs: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> int:
+    """Greedy argmax, or a temperature / nucleus sample from a probability vector."""
+    if not config.do_sample:
+        return int(torch.argmax(probs))
+    p = probs.float()
+    if config.temperature != 1.0:
+        p = torch.pow(p.clamp_min(1e-30), 1.0 / config.temperature)
+    p = p / p.sum()
+    if config.top_p < 1.0:
+        sorted_p, order = torch.sort(p, descending=True)
+        cum = torch.cumsum(sorted_p, 0)
+        cut = cum - sorted_p > config.top_p
+        sorted_p[cut] = 0.0
+        p = torch.zeros_like(p).scatter_(0, order, sorted_p)
+        p = p / p.sum()
+    cpu_gen = generator if generator is None or generator.device.type == "cpu" else None
+    return int(torch.multinomial(p.cpu(), 1, generator=cpu_gen))
+
+
+C = TypeVar("C", bound=GenerationConfig)
+
+
+class EnsembleMethod(ABC, Generic[C]):
+    """An ensemble strategy over a list of members (one subclass per method).
+
+    Subclasses set ``name``, ``config_class`` and ``min_members`` and implement
+    :meth:`begin` and :meth:`step`; :meth:`primary` names the member whose tokenizer
+    counts tokens (the drafter for SAFE, the first member otherwise).
+    """
+
+    name: ClassVar[str] = "method"
+    config_class: ClassVar[type[GenerationConfig]] = GenerationConfig
+    min_members: ClassVar[int] = 1
+
+    def __init__(self, members: Sequence[Member], config: C | None = None, **options: Any) -> None:
+        members = list(members)
+        if len(members) < self.min_members:
+            raise NoMembersError(len(members), self.min_members)
+        for m in members:
+            if not isinstance(m, Member):
+                raise ConfigurationError(f"{type(self).__name__} takes Member objects, got {type(m).__name__}.")
+        self.members: list[Member] = members
+        if config is not None and not isinstance(config, self.config_class):
+            raise ConfigurationError(
+                f"{type(self).__name__} expects a {self.config_class.__name__}, got {type(config).__name__}."
+            )
+        base = config if config is not None else self.config_class()
+        self.config: C = base.replace(**options) if options else base  # type: ignore[assignment]
+        #: Shares forward passes between concurrent requests (None: each request decodes alone);
+        #: see :mod:`ensemble_core.decoding.scheduler` and :meth:`set_batching`.
+        self.batcher: Batcher | None = Batcher(BatchingConfig())
+
+    def set_batching(self, config: BatchingConfig) -> None:
+        """Turn cross-request batching on (with ``config``'s limits) or off (``enabled=False``)."""
+        self.batcher = Batcher(config) if config.enabled else None
+
+    # ------------------------------------------------------------ to implement
+    @abstractmethod
+    def begin(self, prompt: Prompt, config: C) -> Any:
+        """Prepare one request: render and encode the prompt for each member."""
+
+    @abstractmethod
+    def step(self, request: Any) -> Chunk:
+        """Run one round; return the text committed in it (never retracted later)."""
+
+    def warm_up(self) -> None:
+        """Build what the first requests would otherwise build inside their own time.
+
+        A method that compares members (``min_members`` > 1) maps every member's vocabulary
+        to text once per process (:func:`~ensemble_core.text.distributions.member_table`: ~0.3 s
+        for Gemma-3's 262k tokens), lazily at the first point where the members disagree; a
+        server's or a benchmark's first requests paid that mid-answer.
+        """
+        if self.min_members > 1:
+            for member in self.members:
+                member_table(member)
+
+    def stats(self, request: Any) -> RequestStats:
+        """Method statistics for a finished request (typed; see :mod:`ensemble_core.decoding.stats`)."""
+        return RequestStats(self.name)
+
+    @property
+    def primary(self) -> Member:
+        return self.members[0]
+
+    def prompt_tokens(self, request: Any) -> int:
+        """Prompt length in the primary member's tokens (a request keeps one ``MemberView`` per member
+        in ``views``; override when the primary is not the first member)."""
+        views = getattr(request, "views", None)
+        return views[0].state.prompt_len if views else 0
+
+    # ------------------------------------------------------------ shared loop
+    def stop_strings(self, config: GenerationConfig) -> tuple[str, ...]:
+        stops = list(config.stop)
+        for m in self.members:
+            stops.extend(s for s in m.stop_strings if s not in stops)
+        return tuple(stops)
+
+    def stream(self, prompt: Prompt, cancel: threading.Event | None = None, **overrides: Any) -> GenerationStream:
+        """Text deltas as they are committed; ``.result`` holds the result once exhausted."""
+        config = self.config.replace(**overrides) if overrides else self.config
+        return GenerationStream(self, prompt, config, cancel)
+
+    def generate(self, prompt: Prompt, cancel: threading.Event | None = None, **overrides: Any) -> GenerationResult:
+        stream = self.stream(prompt, cancel=cancel, **overrides)
+        stream.drained = True
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def batch(self, prompts: Sequence[Prompt], **overrides: Any) -> list[GenerationResult]:
+        """Several prompts, results in order.
+
+        With batching on they run concurrently, one worker thread per prompt (at most
+        ``max_batch_rows`` at a time), and share their forward passes; otherwise one after
+        another. The first error raised by any prompt is raised here.
+        """
+        if self.batcher is None or len(prompts) < 2:
+            return [self.generate(p, **overrides) for p in prompts]
+        workers = min(len(prompts), self.batcher.config.max_batch_rows)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ensemble-batch") as pool:
+            return list(pool.map(lambda p: self.generate(p, **overrides), prompts))
+
+
+def _holdback(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of ``text`` that may still become the start of a stop string."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+class GenerationStream:
+    """Iterator of committed text deltas; concatenated, they equal ``result.text``.
+
+    Leading whitespace of the response is dropped (base-model transcripts start with a
+    space after ``Assistant:``); stop strings are cut, and text that may still turn out to
+    be the start of a stop string is held back until it is decided.
+    """
+
+    def __init__(self, method: EnsembleMethod, prompt: Prompt, config: GenerationConfig,
+                 cancel: threading.Event | None = None) -> None:
+        self.method, self.prompt, self.config = method, prompt, config
+        self.cancel_event = cancel or threading.Event()
+        self.result: GenerationResult | None = None
+        #: The consumer takes every delta at once (``generate``, ``Run.run``): the request then
+        #: stays active for the batcher while a delta is out. Otherwise (a streaming consumer,
+        #: maybe slow) it is paused there so that it never holds up other requests' passes;
+        #: but a paused request that comes back mid-pass computes next to it (measured: a
+        #: 7-row pass of SpecEM x8 took 2.2-2.6 s instead of 0.6).
+        self.drained = False
+        self._iter = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self._iter
+
+    def __next__(self) -> str:
+        return next(self._iter)
+
+    def cancel(self) -> None:
+        """Ask the loop to stop after the current round."""
+        self.cancel_event.set()
+
+    def _run(self) -> Iterator[str]:
+        t0 = time.perf_counter()
+        method, config = self.method, self.config
+        stops = method.stop_strings(config)
+        longest = max((len(s) for s in stops), default=0)
+        batcher = method.batcher
+        # For the batcher this request is active (it may submit rows) except while a
+        # streaming consumer holds a delta (see ``drained``).
+        participant = batcher.join() if batcher is not None else None
+        binding = Binding(batcher, participant) if batcher is not None and participant is not None else None
+        try:
+            yield from self._loop(binding, stops, longest, t0)
+        finally:
+            if binding is not None:
+                binding.batcher.leave(binding.participant)
+
+    def _loop(self, binding: Binding | None, stops: tuple[str, ...], longest: int, t0: float) -> Iterator[str]:
+        method, config = self.method, self.config
+        with bound(binding):  # the members' decoding states submit to this request's batcher
+            request = method.begin(self.prompt, config)
+        raw, emitted, lead, lead_fixed = "", 0, 0, False
+        first: float | None = None
+        while True:
+            if self.cancel_event.is_set():
+                finish = "cancelled"
+                break
+            with bound(binding):
+                chunk = method.step(request)
+            before = len(raw)
+            raw += chunk.text
+            hits = [i for i in (raw.find(s, max(0, before - longest + 1)) for s in stops) if i >= 0]
+            done = chunk.done or bool(hits)
+            if hits:
+                raw, finish = raw[: min(hits)], "stop"
+            else:
+                finish = chunk.finish_reason or "eos"
+            if not lead_fixed:
+                stripped = raw.lstrip()
+                lead, lead_fixed = len(raw) - len(stripped), bool(stripped)
+            end = len(raw)
+            if not done:  # hold back a possible stop-string start and an unfinished character
+                end -= _holdback(raw, stops)
+                while end > lead and raw[end - 1] == REPLACEMENT_CHAR:
+                    end -= 1
+            start = max(emitted, lead)
+            if end > start:
+                if first is None:
+                    first = time.perf_counter() - t0
+                paused = binding if binding is not None and not self.drained else None
+                if paused is not None:
+                    paused.batcher.pause(paused.participant)
+                yield raw[start:end]
+                if paused is not None:
+                    paused.batcher.resume(paused.participant)
+                emitted = end
+            if done:
+                break
+        text = raw[lead:max(emitted, lead)]
+        self.result = GenerationResult(
+            text=text,
+            finish_reason=finish,
+            prompt_tokens=method.prompt_tokens(request),
+            completion_tokens=method.primary.count_tokens(text) if text else 0,
+            seconds=time.perf_counter() - t0,
+            time_to_first_chunk=first,
+            stats=method.stats(request).as_dict(),
+            structured=parse_output(text, config.structured) if config.structured.active else None,
+        )

@@ -1,0 +1,276 @@
+"""Ensemble members: a model, its tokenizer, its chat format, its device, its decoding state.
+
+A :class:`Member` is shared (weights are loaded once per process, see :func:`~ensemble_core.models.loading.load_objects`);
+a :class:`DecodeState` is per request: the member's own token ids for
+``prompt + response so far`` and a KV cache over them. All cross-member exchange goes
+through text (see :mod:`ensemble_core.text.alignment`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ensemble_core.constraints.structured import StructuredRequest, with_instructions
+from ensemble_core.decoding.cache import can_crop_exactly, crop, new_cache
+from ensemble_core.decoding.forward import Job, causal_job, single_pass
+from ensemble_core.decoding.scheduler import Binding, current, run_job
+from ensemble_core.errors import (
+    InputError,
+    PromptTooLongError,
+)
+from ensemble_core.models.bundled import BUNDLED
+from ensemble_core.models.loading import MemberSpec, load_objects
+from ensemble_core.text import alignment
+from ensemble_core.text.chat import (
+    FALLBACK_STOPS,
+    Prompt,
+    normalize_messages,
+    render_chat,
+    reply_lead,
+    template_supports_tools,
+)
+
+
+class Member:
+    """One model of an ensemble, with everything needed to decode with it incrementally."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str | None = None,
+                 chat_template: str | None = None, stop_strings: Sequence[str] | None = None) -> None:
+        if model is None or tokenizer is None:
+            raise InputError("A member needs both a model and a tokenizer.")
+        if not hasattr(model, "config") or not callable(model):
+            raise InputError(f"{type(model).__name__} is not a transformers causal LM (no config / not callable).")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        self.chat_template = chat_template
+        has_template = bool(chat_template or getattr(tokenizer, "chat_template", None))
+        self.stop_strings: tuple[str, ...] = tuple(stop_strings) if stop_strings is not None else (
+            () if has_template else FALLBACK_STOPS)
+        self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids())
+        self.vocab_size: int = int(model.get_output_embeddings().weight.shape[0])
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def load(cls, source: str | MemberSpec, **options: Any) -> Member:
+        """Load a member from an alias, a directory, a GGUF file or a hub id (cached per process)."""
+        spec = source if isinstance(source, MemberSpec) else MemberSpec(source=str(source), **options)
+        model, tokenizer = load_objects(spec)
+        name = spec.name or (str(spec.source) if spec.source in BUNDLED else Path(str(spec.source)).name or str(spec.source))
+        return cls(model, tokenizer, name=name, chat_template=spec.chat_template)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return ids
+
+    # ---------------------------------------------------------------- properties
+    @functools.cached_property
+    def eos_id_tensor(self) -> torch.Tensor:
+        """:attr:`eos_token_ids` as a sorted index tensor (to sum a distribution's end-of-text mass)."""
+        return torch.tensor(sorted(self.eos_token_ids), dtype=torch.long)
+
+    @property
+    def device(self) -> torch.device:
+        """Where input ids go (the first device under a device map)."""
+        return self.model.device
+
+    @property
+    def context_window(self) -> int:
+        cfg = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
+        for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = getattr(cfg, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return int(getattr(self.tokenizer, "model_max_length", 2048))
+
+    def __repr__(self) -> str:
+        return f"Member({self.name!r}, device={self.device}, vocab={self.vocab_size})"
+
+    # ---------------------------------------------------------------- text ↔ ids
+    @property
+    def native_tools(self) -> bool:
+        """Whether this member's chat template renders tools itself (else they go into the system prompt)."""
+        return template_supports_tools(self.chat_template or getattr(self.tokenizer, "chat_template", None))
+
+    def messages(self, prompt: Prompt, structured: StructuredRequest | None = None,
+                 normalized: bool = False) -> list[dict[str, Any]]:
+        """The conversation as this member sees it (with tool / schema instructions).
+
+        ``normalized``: ``prompt`` is already :func:`~ensemble_core.text.chat.normalize_messages`'
+        output (a request normalises its prompt once for all members).
+        """
+        messages = prompt if normalized else normalize_messages(prompt)
+        return with_instructions(messages, structured, self.native_tools) if structured and structured.active else messages
+
+    def render(self, prompt: Prompt, structured: StructuredRequest | None = None) -> str:
+        """The prompt as this member's own chat-formatted text, ending in the generation prompt."""
+        return self.render_messages(self.messages(prompt, structured), structured)
+
+    def render_messages(self, messages: list[dict[str, Any]], structured: StructuredRequest | None = None) -> str:
+        """:meth:`render` of a conversation already as this member sees it (:meth:`messages`)."""
+        tools = list(structured.tools) if structured and structured.tools and structured.choice != "none" else None
+        return render_chat(self.tokenizer, messages, self.chat_template,
+                           tools=[{"type": "function", "function": t} for t in tools] if tools else None)
+
+    def response_lead(self, prompt: Prompt, structured: StructuredRequest | None = None) -> str:
+        """Whitespace this member's chat format puts before a reply (see :func:`~ensemble_core.text.chat.reply_lead`)."""
+        return self.lead_of(self.messages(prompt, structured))
+
+    def lead_of(self, messages: list[dict[str, Any]]) -> str:
+        """:meth:`response_lead` of a conversation already as this member sees it (:meth:`messages`)."""
+        return reply_lead(self.tokenizer, messages, self.chat_template)
+
+    def prompt_ids(self, messages: list[dict[str, Any]], structured: StructuredRequest | None = None,
+                   max_new_tokens: int = 0) -> list[int]:
+        """Token ids of the rendered conversation (as this member sees it), checked against the context window."""
+        ids = self.encode_prompt(self.render_messages(messages, structured))
+        if len(ids) + max_new_tokens > self.context_window:
+            raise PromptTooLongError(self.name, len(ids), max_new_tokens, self.context_window)
+        return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a rendered prompt; BOS is added once, where the tokenizer wants it."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        add_special = not (bos and text.startswith(bos))
+        return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return alignment.decode(self.tokenizer, ids)
+
+    def tokenize(self, text: str) -> alignment.Tokenized:
+        return alignment.tokenize(self.tokenizer, text)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ---------------------------------------------------------------- decoding
+    def start(self, prompt: Prompt, max_new_tokens: int = 0, structured: StructuredRequest | None = None) -> DecodeState:
+        """A fresh decoding state for ``prompt`` (nothing is computed until :meth:`DecodeState.score`)."""
+        return self.start_from_ids(self.prompt_ids(self.messages(prompt, structured), structured, max_new_tokens))
+
+    def start_from_ids(self, ids: Sequence[int]) -> DecodeState:
+        if len(ids) == 0:
+            raise InputError(f"Member {self.name!r} needs at least one prompt token to start decoding.")
+        return DecodeState(self, list(ids))
+
+
+@dataclass
+class DecodeStats:
+    """Work done by one member for one request."""
+
+    forward_passes: int = 0
+    tokens_fed: int = 0
+    seconds: float = 0.0
+    reprefills: int = 0
+
+
+class DecodeState:
+    """One member's incremental decoding state: token ids and a KV cache over them.
+
+    Invariant: ``cache`` holds the first ``cached`` ids; ``ids[cached:]`` are *pending*
+    (appended, not yet run). ``_last_row`` holds the next-token logits after the last
+    cached id, so a round that appends nothing needs no forward pass.
+    """
+
+    def __init__(self, member: Member, prompt_ids: list[int]) -> None:
+        self.member = member
+        self.ids: list[int] = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.cache = new_cache(member.model)
+        self.cached = 0
+        self._fed_since_crop = 0
+        self._last_row: torch.Tensor | None = None
+        self.stats = DecodeStats()
+        #: The batcher of the request that created this state (None: every pass runs alone);
+        #: see :mod:`ensemble_core.decoding.scheduler`.
+        self.batch: Binding | None = current()
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.ids[self.prompt_len:]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @torch.inference_mode()
+    def score(self, new_ids: Sequence[int] = ()) -> torch.Tensor:
+        """Append ``new_ids`` and return next-token logits, shape ``[len(new_ids) + 1, V]``.
+
+        Row ``j`` is the distribution after ``ids_before + new_ids[:j]``: row 0 predicts
+        the first new token, the last row predicts the token after all of them. Only the
+        pending tail is run through the model (one forward pass).
+        """
+        self.ids.extend(int(i) for i in new_ids)
+        pending = self.ids[self.cached:]
+        want = len(new_ids) + 1
+        if not pending:
+            assert self._last_row is not None
+            return self._last_row.unsqueeze(0)
+        reuse_last = len(pending) < want  # nothing pending before new_ids: row 0 is cached
+        if reuse_last and self._last_row is None:
+            raise InputError(f"Member {self.member.name!r} has no context to score from.")
+        t0 = time.perf_counter()
+        keep = min(len(pending), want)
+        rows = run_job(self.batch, self.member, self._job(pending, keep))
+        if reuse_last:
+            rows = torch.cat([self._last_row.to(rows.device).unsqueeze(0), rows], dim=0)
+        self.cached = len(self.ids)
+        self._fed_since_crop += len(pending)
+        self._last_row = rows[-1]
+        self.stats.forward_passes += 1
+        self.stats.tokens_fed += len(pending)
+        self.stats.seconds += time.perf_counter() - t0
+        return rows
+
+    def _job(self, pending: list[int], keep: int) -> Job:
+        """The forward pass of ``pending`` on this state's cache, keeping the last ``keep`` rows."""
+        model, device, cache = self.member.model, self.member.device, self.cache
+
+        def direct() -> torch.Tensor:
+            return single_pass(model, pending, cache, keep, device)
+
+        return causal_job(cache, pending, range(len(pending) - keep, len(pending)), direct, device)
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` ids (``1 <= n <= len``), dropping the rest and their cache.
+
+        Id ``n - 1`` becomes pending again when it was cached, so that the next
+        :meth:`score` recomputes the distribution after exactly ``n`` ids.
+        """
+        if n < 1 or n > len(self.ids):
+            raise InputError(f"Cannot crop member {self.member.name!r} to {n} tokens (has {len(self.ids)}).")
+        del self.ids[n:]
+        if self.cached < n:  # only pending ids were dropped
+            return
+        if self.cached == n:  # nothing to drop; trim sliding layers back to their window
+            if self._fed_since_crop:
+                crop(self.cache, 0)
+            self._fed_since_crop = 0
+            return
+        remove = self.cached - (n - 1)
+        if can_crop_exactly(self.cache, remove, self._fed_since_crop):
+            crop(self.cache, remove)
+            self.cached = n - 1
+        else:  # sliding window already dropped the states we need: rebuild from scratch
+            self.cache = new_cache(self.member.model)
+            self.cached = 0
+            self.stats.reprefills += 1
+        self._fed_since_crop = 0
+        self._last_row = None
+
+    def extend(self, new_ids: Sequence[int]) -> None:
+        """Append ids without running the model (they are fed on the next :meth:`score`)."""
+        self.ids.extend(int(i) for i in new_ids)

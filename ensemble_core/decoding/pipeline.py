@@ -1,0 +1,126 @@
+"""A member's token pipeline: how it chooses its next token in one request, the same way everywhere.
+
+transformers applies one ``LogitsProcessor`` list on every decoding path; this is that idea
+for an ensemble member. Every place that turns a member's logits into a token (a single
+model's step, SAFE's drafter, a SpecEM / generate-then-select segment, every-token's
+fusion inputs) and every place that commits text goes through the member's
+:class:`TokenPipeline`, in this order:
+
+1. **mask**: under a grammar (a forced tool call, a response format), tokens that would
+   break the output get ``-inf`` (:mod:`~ensemble_core.constraints.grammar`);
+2. **loop penalty**: tokens that continue a repeat of the output lose logits
+   (:mod:`~ensemble_core.constraints.repetition`);
+3. **closing pressure**: near the end of the token budget, tokens that close the value gain
+   logits (:mod:`~ensemble_core.constraints.closing`);
+4. **choice**: greedy, or a temperature / nucleus sample from the request's seeded generator
+   (:func:`~ensemble_core.decoding.generation.choose_token`).
+
+Steps 1-3 act only under a grammar; free text goes straight to the choice. The pipeline also
+carries the grammar's *position*, which follows the committed text: :meth:`accept` advances
+it by a drafted token, :meth:`commit` by any committed text (a verifier's, an ensemble
+point's, another member's segment), :meth:`checkpoint` / :meth:`restore` undo a draft that
+was not kept, and :meth:`set_budget` tells the closing pressure how much budget is left.
+At an ensemble point, where the choice is among fused *texts* rather than one member's
+tokens, :meth:`allowed_candidates` and :meth:`reweighted` apply the same grammar and
+penalties by text. A method never touches the grammar itself: a new method, or a new kind
+of constraint, changes one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ensemble_core.decoding.generation import GenerationConfig, choose_token
+from ensemble_core.text.distributions import Candidates, EndOfText, grammar_allows
+
+
+@dataclass
+class TokenPipeline:
+    """One member's token choice and grammar position within one request (see the module docstring).
+
+    ``generator`` is the seeded sampling generator (None: greedy, or unseeded sampling with a
+    fresh seed); ``grammar`` the member's :class:`~ensemble_core.constraints.grammar.ConstraintState`
+    when the request is constrained.
+    """
+
+    config: GenerationConfig
+    generator: torch.Generator | None = None
+    grammar: Any = None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar shapes this member's tokens."""
+        return self.grammar is not None
+
+    # ------------------------------------------------------------------ choosing a token
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """Stages 1-3 on ``logits`` (``[V]`` or ``[n, V]`` at the current position): mask, loop penalty,
+        closing pressure. Unchanged (the same tensor) without a grammar."""
+        return logits if self.grammar is None else self.grammar.mask_logits(logits)
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The member's next-token probabilities after stages 1-3 (what fusion and drafts compare)."""
+        return torch.softmax(self.process(logits).float(), dim=-1)
+
+    def choose(self, probs: torch.Tensor) -> int:
+        """Stage 4: greedy argmax, or a sample under the request's temperature / top-p and generator."""
+        return choose_token(probs, self.config, self.generator)
+
+    def next_token(self, logits: torch.Tensor, keep_probs: bool = True) -> tuple[int, torch.Tensor | None]:
+        """The token chosen from ``logits`` (stages 1-4) and the distribution it was chosen from.
+
+        With ``keep_probs=False`` a greedy choice takes the argmax of the processed logits
+        without normalising them (a segment draft keeps its own scores instead); sampling
+        always normalises.
+        """
+        row = self.process(logits)
+        if keep_probs or self.config.do_sample:
+            probs = torch.softmax(row.float(), dim=-1)
+            return self.choose(probs), probs
+        return choose_token(row, self.config, self.generator), None
+
+    # ------------------------------------------------------------------ following the text
+    def accept(self, token: int) -> None:
+        """Advance the grammar by one of this member's tokens (a drafted or chosen one)."""
+        if self.grammar is not None:
+            self.grammar.accept_token(token)
+
+    def commit(self, text: str) -> None:
+        """Advance the grammar by committed text (any member's; it need not end on a token boundary)."""
+        if self.grammar is not None:
+            self.grammar.accept_text(text)
+
+    def checkpoint(self) -> Any:
+        """The grammar position now (None without a grammar), to :meth:`restore` after a draft."""
+        return self.grammar.checkpoint() if self.grammar is not None else None
+
+    def restore(self, mark: Any) -> None:
+        """Go back to a :meth:`checkpoint` (the grammar follows the committed text, not a draft)."""
+        if self.grammar is not None and mark is not None:
+            self.grammar.restore(mark)
+
+    def set_budget(self, left: int | None) -> None:
+        """How many budget tokens remain now (the closing pressure grows near the end)."""
+        if self.grammar is not None:
+            self.grammar.set_budget(left)
+
+    # ------------------------------------------------------------------ ensemble points (texts)
+    def allowed_candidates(self, candidates: Candidates, prefix: str = "") -> Candidates | None:
+        """The fused candidates the grammar accepts after the committed text and ``prefix``.
+
+        Unchanged without a grammar; None when the grammar accepts none of them.
+        """
+        if self.grammar is None:
+            return candidates
+        return candidates.subset([grammar_allows(self.grammar, prefix, k) for k in candidates.keys])
+
+    def reweighted(self, candidates: Candidates, prefix: str = "") -> Candidates:
+        """Candidates with the loop penalty and the closing pressure applied by their text (stages 2-3)."""
+        if self.grammar is None:
+            return candidates
+        texts = [None if isinstance(k, EndOfText) else k for k in candidates.keys]
+        factors = self.grammar.text_factors(prefix, texts)
+        return candidates if factors is None else candidates.reweighted(factors)

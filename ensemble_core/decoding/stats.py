@@ -1,0 +1,126 @@
+"""Typed statistics of one finished request, with the same names for the same things in every method.
+
+Every method returns a :class:`RequestStats` (or a subclass with its own extras) from
+:meth:`EnsembleMethod.stats`; :class:`~ensemble_core.GenerationResult` carries its
+:meth:`~RequestStats.as_dict` so that users, the adapters' metadata and the benchmark's
+JSON records all see one plain, JSON-serialisable dict with fixed keys:
+
+=================  ====================================================================
+key                meaning (every method)
+=================  ====================================================================
+``method``         the method's registry name
+``tokens``         response tokens in the primary member's tokenizer (SAFE: the drafter)
+``rounds``         ``step`` calls (SAFE: draft/verify rounds, SpecEM: segments, ...)
+``members``        one :class:`MemberStats` per member, in member order
+=================  ====================================================================
+
+Token-level methods (SAFE, every-token) add ``ensembled`` (tokens committed by an
+ensemble decision) and ``e_t`` (``ensembled / tokens``, the E/T ratio of the SAFE paper).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ensemble_core.decoding.members import DecodeState
+
+
+@dataclass
+class MemberStats:
+    """Work one member did for one request (from its :class:`~ensemble_core.decoding.members.DecodeStats`)."""
+
+    name: str
+    role: str
+    forward_passes: int = 0
+    tokens_fed: int = 0
+    seconds: float = 0.0
+    reprefills: int = 0
+
+    @classmethod
+    def of(cls, state: DecodeState, role: str) -> MemberStats:
+        s = state.stats
+        return cls(state.member.name, role, s.forward_passes, s.tokens_fed, round(s.seconds, 4), s.reprefills)
+
+
+@dataclass
+class RequestStats:
+    """What every method reports (see the module docstring)."""
+
+    method: str
+    tokens: int = 0
+    rounds: int = 0
+    members: list[MemberStats] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain dict (nested dataclasses become dicts): what ``GenerationResult.stats`` holds."""
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TokenLevelStats(RequestStats):
+    """Token-level ensembles: how many committed tokens an ensemble decision produced."""
+
+    distribution: str = "unite"
+    ensembled: int = 0
+    e_t: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.e_t = self.ensembled / self.tokens if self.tokens else 0.0
+
+
+@dataclass
+class SafeStats(TokenLevelStats):
+    """SAFE's counters: every drafted token is either ``accepted`` or ``replaced``; every
+    candidate point is ``ensembled``, skipped as unstable (``skipped_oov``) or skipped by
+    consensus (``skipped_consensus``)."""
+
+    drafter: str = ""
+    sharpening: str = "heuristic"
+    skipped_oov: int = 0
+    skipped_consensus: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    replaced: int = 0
+
+
+@dataclass
+class SelectionStats(RequestStats):
+    """Candidate selection (SpecEM and generate-then-select): who drafted, who judged, phase times."""
+
+    drafters: list[str] = field(default_factory=list)
+    verifiers: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SpecEMStats(SelectionStats):
+    """SpecEM: the chosen drafter per round, Hedge weights and their trajectory."""
+
+    segment_length: int = 0
+    scoring: str = "logprob"
+    normalization: str = "softmax"
+    hedge: bool = True
+    wins: list[int] = field(default_factory=list)
+    chosen: list[int] = field(default_factory=list)
+    final_weights: list[float] = field(default_factory=list)
+    weight_trajectory: list[list[float]] = field(default_factory=list)
+    segment_chars: list[int] = field(default_factory=list)
+    boundary_fallbacks: int = 0
+    abstentions: int = 0
+
+
+@dataclass
+class GenerateThenSelectStats(SelectionStats):
+    """Generate-then-select: every member's answer, the verifiers' scores, the chosen member."""
+
+    chosen: int | None = None
+    answers: list[dict[str, Any]] = field(default_factory=list)
+    scores: list[list[float]] = field(default_factory=list)
+
+
+def roles(index: int, drafters: list[int], verifiers: list[int]) -> str:
+    """``"drafter"``, ``"verifier"`` or ``"drafter+verifier"`` for member ``index``."""
+    parts = [name for name, group in (("drafter", drafters), ("verifier", verifiers)) if index in group]
+    return "+".join(parts) or "idle"

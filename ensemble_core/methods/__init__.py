@@ -1,0 +1,37 @@
+"""The ensemble methods, one module each, and their registry.
+
+A method is one :class:`~ensemble_core.decoding.generation.EnsembleMethod` subclass (``begin``
+and ``step`` over the members' views, see docs/concepts.md) plus one line in :data:`METHODS`;
+the ``Ensemble`` facade, the adapters, the CLI, the server and the benchmark all read their
+method lists from here. Modules are imported only when their method is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from ensemble_core.errors import ConfigurationError, InvalidOptionError
+
+if TYPE_CHECKING:
+    from ensemble_core.decoding.generation import EnsembleMethod
+
+#: method name → "module:Class". Imported lazily so a method's module loads only when used.
+METHODS: dict[str, str] = {
+    "single": "ensemble_core.methods.single:SingleModel",
+    "safe": "ensemble_core.methods.safe:SafeEnsemble",
+    "every-token": "ensemble_core.methods.every_token:EveryTokenEnsemble",
+    "specem": "ensemble_core.methods.specem:SpecEMEnsemble",
+    "generate-then-select": "ensemble_core.methods.generate_then_select:GenerateThenSelect",
+}
+
+
+def method_class(name: str) -> type[EnsembleMethod]:
+    """The class registered for ``name`` (see :data:`METHODS`)."""
+    if name not in METHODS:
+        raise InvalidOptionError("method", name, "one of " + ", ".join(sorted(METHODS)))
+    module, _, attr = METHODS[name].partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"The method {name!r} is not available in this installation: {exc}") from exc

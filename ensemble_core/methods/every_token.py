@@ -1,0 +1,129 @@
+"""Every-token ensembling: UniTE / GaC fusion at every token, with no stability check.
+
+The slow, unstable baseline SAFE fixes, through the same distribution code as SAFE's
+(:mod:`~ensemble_core.text.distributions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ensemble_core.decoding.generation import Chunk, EnsembleMethod, GenerationConfig
+from ensemble_core.decoding.rows import next_row
+from ensemble_core.decoding.stats import MemberStats, TokenLevelStats
+from ensemble_core.decoding.view import MemberView, start_views
+from ensemble_core.errors import InvalidOptionError
+from ensemble_core.text.alignment import DEFAULT_MARGIN
+from ensemble_core.text.chat import Prompt
+from ensemble_core.text.distributions import (
+    Distribution,
+    EndOfText,
+    check_fusion_options,
+    fusion_weights,
+    make_distribution,
+    sharpen,
+)
+
+
+@dataclass(frozen=True)
+class EveryTokenConfig(GenerationConfig):
+    """Every-token ensembling options: the fusion rule (``"unite"`` or ``"gac"``), its
+    ``top_k``, ``sharpening`` (``"none"`` by default: the published baselines do not
+    sharpen), the ``margin`` of tokens re-encoded behind the end of the text and
+    per-member ``fusion_weights`` (None: uniform; see :class:`~ensemble_core.methods.safe.SafeConfig`)."""
+
+    distribution: str = "unite"
+    top_k: int = 10
+    sharpening: str = "none"
+    margin: int = DEFAULT_MARGIN
+    fusion_weights: Any = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "fusion_weights", check_fusion_options(
+            self.distribution, self.top_k, self.sharpening, self.fusion_weights))
+        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
+            raise InvalidOptionError("margin", self.margin, "an integer >= 0")
+
+
+@dataclass
+class _EveryTokenRequest:
+    views: list[MemberView]
+    config: EveryTokenConfig
+    fusion: Distribution
+    weights: torch.Tensor | None = None  # fusion weights per member (None: uniform)
+    text: str = ""
+    ensembled: int = 0
+
+
+class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
+    """UniTE / GaC at every step, with no stability check: the baseline SAFE fixes.
+
+    Each step every member re-encodes the end of its text (its reply lead + the shared
+    text), runs one forward pass over what changed, and the fused distribution picks the
+    next string (:mod:`~ensemble_core.text.distributions`, the same code as SAFE's). Every
+    member runs every step, and a member asked right after a boundary it would not have
+    made (``Inc|orrect`` for a ``Incorrect`` tokenizer) contributes a poor distribution.
+    ``max_new_tokens`` counts the first member's tokens; the last string may overshoot it
+    by the few extra tokens it spans.
+    """
+
+    name = "every-token"
+    config_class = EveryTokenConfig
+    min_members = 2
+
+    def __init__(self, members: Any, config: EveryTokenConfig | None = None, **options: Any) -> None:
+        super().__init__(members, config, **options)
+        self._fusions: dict[tuple[str, int], Distribution] = {}
+
+    def begin(self, prompt: Prompt, config: EveryTokenConfig) -> _EveryTokenRequest:
+        key = (config.distribution, config.top_k)
+        if key not in self._fusions:
+            self._fusions[key] = make_distribution(config.distribution, self.members, config.top_k)
+        weights = fusion_weights(config.fusion_weights, [m.name for m in self.members])
+        return _EveryTokenRequest(start_views(self.members, prompt, config), config, self._fusions[key], weights)
+
+    def step(self, request: _EveryTokenRequest) -> Chunk:
+        config = request.config
+        at_start = not request.text
+        encoded = [view.continuation(view.own_text(request.text), config.margin) for view in request.views]
+        if len(encoded[0][1]) >= config.max_new_tokens:
+            return Chunk("", done=True, finish_reason="length")
+        probs = []
+        left = config.max_new_tokens - len(encoded[0][1])
+        for view, (keep, tokens) in zip(request.views, encoded):
+            state = view.state
+            state.crop(state.prompt_len + keep)  # also when nothing changed: trims sliding layers as before
+            view.pipeline.set_budget(left)  # closing pressure near the end, under a grammar
+            probs.append(view.pipeline.distribution(next_row(state, tokens.ids[keep:])))
+            view.tokens = tokens
+        prefixes = [view.lead.encode("utf-8") if at_start else b"" for view in request.views]
+        candidates = request.fusion.fuse(probs, drafter=0, prefixes=prefixes, weights=request.weights)
+        # the first member's pipeline: only fused strings its grammar accepts, chosen from the request's
+        # one stream of choices (every member's pipeline shares the generator)
+        pipeline = request.views[0].pipeline
+        candidates = pipeline.allowed_candidates(candidates) or candidates
+        key = candidates.keys[pipeline.choose(sharpen(candidates, config.sharpening))]
+        if isinstance(key, EndOfText):
+            return Chunk("", done=True, finish_reason="eos")
+        piece = key.decode("utf-8")
+        for view in request.views:
+            view.pipeline.commit(piece)
+        request.text += piece
+        request.ensembled += 1
+        return Chunk(piece)
+
+    def stats(self, request: _EveryTokenRequest) -> TokenLevelStats:
+        tokens = self.members[0].count_tokens(request.text) if request.text else 0
+        # Every committed token comes out of a fusion step, so E/T is 1 by construction. The
+        # number of fusion steps (``rounds``) differs from ``tokens``: one fused string can span
+        # several tokens of the first member, and a string of special tokens adds no text.
+        return TokenLevelStats(
+            method=self.name, tokens=tokens, rounds=request.ensembled,
+            members=[MemberStats.of(v.state, "member") for v in request.views],
+            distribution=request.config.distribution, ensembled=tokens,
+        )
+

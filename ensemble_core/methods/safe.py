@@ -1,0 +1,519 @@
+"""SAFE: selective token-level ensembling with a drafter and verifiers.
+
+"When to Ensemble: Identifying Token-Level Points for Stable and Fast LLM Ensembling"
+(ICLR 2026). Ensembling every token is slow (every member runs every step) and unstable
+(a member's distribution right after a token boundary it would not have made is
+garbage). SAFE lets one member draft and ensembles only where it is safe and useful.
+
+One round (:meth:`SafeEnsemble.step`):
+
+1. **Draft**: the drafter decodes ``lookahead`` tokens through its KV cache, keeping its
+   distribution at each (a few more if the last one stops inside a character).
+2. **Verify**: each verifier re-encodes only the end of its tokenization plus the drafted
+   text (:func:`~ensemble_core.text.alignment.encode_continuation`, ``margin`` tokens behind the
+   change), crops its cache to the unchanged ids and runs ONE forward pass over the rest,
+   which yields its distribution at every one of its positions in the window.
+3. **First ensemble point** ``j`` (before drafter token ``j``):
+
+   * *stability*: the character offset must be a token boundary for every verifier and not
+     inside a character for the drafter, else the point is OOV-like and skipped;
+   * *consensus*: skipped when every verifier's argmax is its own next token of the
+     drafted text (agreement judged in each verifier's tokenization, so ``Inc|orrect``
+     versus ``Incorrect`` is not a disagreement), or when the average over members of the
+     probability of continuing as drafted is ``>= consensus_threshold``; with the GaC
+     distribution also when the drafter's own probability is ``>= 0.5``.
+
+   Tokens before ``j`` are accepted; if no point qualifies the whole draft is.
+4. **Ensemble** at ``j``: fuse the members' distributions
+   (:mod:`~ensemble_core.text.distributions`), sharpen, choose (greedy, or sampled under the
+   seed); append the chosen string, which may be several drafter tokens (encoded for the
+   drafter in context), and discard the rest of the draft.
+5. **Caches**: the drafter is cropped to its committed ids at once. A verifier is cropped
+   lazily at the start of the next round, when it re-encodes the new window anyway: one
+   crop instead of two, and removal then only touches tokens fed since the last crop, so
+   sliding-window caches (Gemma-3) stay exact instead of being re-prefilled.
+
+Reply lead: a base-model transcript ends its prompt with ``"Assistant:"`` and continues
+with ``" The"``, a chat template ends with ``"assistant\n"`` and continues with ``"The"``.
+Each member sees the shared text after its own *lead* (:meth:`Member.response_lead`, read off
+its template), and at the very start of the reply a member's candidates are compared
+after stripping its lead (``prefixes`` of :meth:`Distribution.fuse`); otherwise the
+first point would be a vote on whitespace.
+
+End of text: a drafted EOS is a point like any other, with the candidate "end of text"
+(each member's probability of any of its EOS tokens). If the members agree, or its
+average probability passes the threshold, generation ends ("eos"); otherwise the
+ensemble decides, and may overrule the drafter (continue) or stop. A verifier's EOS can
+end generation only through an ensemble point. ``max_new_tokens`` counts the drafter's
+tokens. Text is never committed inside a character: a draft that ends in an unfinished
+character is cut back, and one that never completes a character forces an ensemble
+point, whose candidates are always whole strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ensemble_core.decoding.drafting import draft_tokens
+from ensemble_core.decoding.generation import Chunk, EnsembleMethod, GenerationConfig
+from ensemble_core.decoding.lookup import check_lookup_max_requests, check_prompt_lookup, guesses_now
+from ensemble_core.decoding.members import Member
+from ensemble_core.decoding.rows import window_probs
+from ensemble_core.decoding.stats import MemberStats, SafeStats
+from ensemble_core.decoding.view import MemberView, start_views
+from ensemble_core.errors import InvalidOptionError
+from ensemble_core.text.alignment import (
+    DECODE_CONTEXT,
+    DEFAULT_MARGIN,
+    REPLACEMENT_CHAR,
+    Tokenized,
+    decode_suffix,
+)
+from ensemble_core.text.chat import Prompt
+from ensemble_core.text.distributions import (
+    Distribution,
+    EndOfText,
+    check_fusion_options,
+    fusion_weights,
+    make_distribution,
+    member_table,
+    sharpen,
+)
+
+#: The GaC variant only ensembles where the drafter itself is unsure.
+GAC_DRAFTER_CONFIDENT = 0.5
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidOptionError(name, value, f"an integer >= {minimum}")
+
+
+@dataclass(frozen=True)
+class SafeConfig(GenerationConfig):
+    """SAFE options (defaults of the published code).
+
+    ``drafter``: index of the drafting member. ``lookahead``: tokens drafted per round
+    (n). ``distribution``: ``"unite"`` (top-k union) or ``"gac"`` (union vocabulary).
+    ``top_k``: k of UniTE, and of the drafter's candidates that prefix merge may lift.
+    ``consensus_threshold``: skip a point when the members' average probability of the
+    drafted continuation is at least this (0 never ensembles except to finish a broken
+    character; 1 ensembles wherever a verifier disagrees). ``sharpening``: ``"heuristic"``
+    (prefix merge), ``"geometric"`` or ``"none"``. ``margin``: verifier tokens re-encoded
+    behind the committed boundary. ``fusion_weights``: per-member weights of the fused
+    distribution and of the consensus average (None: uniform, as published; a list in member
+    order or a ``{name: weight}`` mapping, see :func:`~ensemble_core.text.distributions.fusion_weights`).
+    ``draft_confidence``: end a draft early, after a token the drafter gives less than this
+    probability (0: always ``lookahead`` tokens, as published); what transformers' assisted
+    generation calls ``assistant_confidence_threshold``. Such a token is where the members
+    tend to disagree, and the tokens drafted after an ensemble point are thrown away. It pays
+    where a verify pass is cheap next to the drafting it saves: 0.5 made SmolLM2 drafting for
+    Qwen2.5-0.5B 10-12 % faster per token on a CPU, and gained nothing for SmolLM2 drafting
+    for Gemma-3-270m (docs/benchmarks.md, "Early-ending drafts"), hence not the default.
+    ``prompt_lookup``: the drafter also feeds up to this many tokens guessed from its own
+    context (:mod:`~ensemble_core.decoding.lookup`; transformers' ``prompt_lookup_num_tokens``) in
+    each pass and keeps those it chooses anyway: the same draft in fewer drafter passes
+    (0: one token per pass, as published). ``prompt_lookup_max_requests``: guess only while at
+    most this many requests decode together (None: always); guesses cost compute in a batched
+    pass, where the 8-request throughput fell with them (see :func:`~ensemble_core.decoding.lookup.guesses_now`).
+    """
+
+    drafter: int = 0
+    lookahead: int = 5
+    distribution: str = "unite"
+    top_k: int = 10
+    consensus_threshold: float = 0.5
+    sharpening: str = "heuristic"
+    margin: int = DEFAULT_MARGIN
+    fusion_weights: Any = None
+    draft_confidence: float = 0.0
+    prompt_lookup: int = 0
+    prompt_lookup_max_requests: int | None = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int("drafter", self.drafter, 0)
+        check_prompt_lookup(self.prompt_lookup)
+        check_lookup_max_requests(self.prompt_lookup_max_requests)
+        c = self.draft_confidence
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0.0 <= c < 1.0:
+            raise InvalidOptionError("draft_confidence", c, "a number in [0, 1) (0: drafts of lookahead tokens)")
+        _check_int("lookahead", self.lookahead, 1)
+        _check_int("margin", self.margin, 0)
+        object.__setattr__(self, "fusion_weights", check_fusion_options(
+            self.distribution, self.top_k, self.sharpening, self.fusion_weights))
+        t = self.consensus_threshold
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 <= t <= 1.0:
+            raise InvalidOptionError("consensus_threshold", t, "a number in [0, 1]")
+
+
+@dataclass
+class SafeRequest:
+    config: SafeConfig
+    views: list[MemberView]
+    drafter: int
+    fusion: Distribution
+    weights: torch.Tensor | None = None  # fusion weights per member (None: uniform)
+    text: str = ""
+    counters: SafeStats = field(default_factory=lambda: SafeStats("safe"))  # counted as the request runs
+    spent: int = 0  # generation steps: accepted drafter tokens + >= 1 per ensemble-chosen string
+
+    def used(self) -> int:
+        """Budget used against ``max_new_tokens``: the drafter's tokens of the text, or the
+        steps taken if more (re-encoding can merge pieces: Gemma writes 31 newlines as one
+        token), so that the number of rounds stays bounded by ``max_new_tokens``."""
+        return max(len(self.views[self.drafter].tokens), self.spent)
+
+
+@dataclass
+class _Draft:
+    """The drafter's proposal for one round.
+
+    ``bounds[i]`` is the offset in the shared text, relative to the committed text, after
+    the first ``i`` text tokens, or None where no ensemble point or cut may be (inside a
+    character, or inside the drafter's lead at the start of the reply); ``complete`` is
+    the number of text tokens up to the last valid boundary. ``text`` is the drafter's own
+    text of those tokens (its lead included at the start), ``shift`` the lead length
+    therein (``text[shift:]`` is shared text).
+    """
+
+    ids: list[int]
+    probs: Any  # one distribution per drafted token (rows.TensorRows, or a remote member's rows)
+    eos: bool
+    text: str
+    shift: int
+    bounds: list[int | None]
+    complete: int
+    budget_cut: bool
+    mark: Any = None  # the drafter's grammar position before the draft (constrained requests)
+
+    @property
+    def shared_text(self) -> str:
+        return self.text[self.shift:]
+
+    @property
+    def text_ids(self) -> list[int]:
+        return self.ids[:-1] if self.eos else self.ids
+
+    def next_valid(self, i: int) -> int | None:
+        """The first index > ``i`` with a valid boundary, if any."""
+        for k in range(i + 1, len(self.bounds)):
+            if self.bounds[k] is not None:
+                return k
+        return None
+
+
+@dataclass
+class _Decision:
+    """What a round commits: ``accept`` drafted text tokens, then ``piece`` (ensemble-chosen
+    text) if any; ``eos`` ends the generation, ``eos_drafted`` when it was the drafter's EOS."""
+
+    accept: int
+    piece: str | None
+    eos: bool = False
+    eos_drafted: bool = False
+
+
+@dataclass
+class _Window:
+    """A verifier's distributions over the window: row ``r`` of ``probs`` follows ``first + r`` tokens."""
+
+    index: int
+    tokens: Tokenized
+    first: int
+    probs: Any  # rows.TensorRows, or a remote member's rows
+    argmax: list[int]
+
+
+class SafeEnsemble(EnsembleMethod[SafeConfig]):
+    """SAFE over two or more members (see the module docstring)."""
+
+    name = "safe"
+    config_class = SafeConfig
+    min_members = 2
+
+    def __init__(self, members: Any, config: SafeConfig | None = None, **options: Any) -> None:
+        super().__init__(members, config, **options)
+        self._check_drafter(self.config)
+        self._fusions: dict[tuple[str, int], Distribution] = {}
+
+    def _check_drafter(self, config: SafeConfig) -> None:
+        if config.drafter >= len(self.members):
+            raise InvalidOptionError("drafter", config.drafter, f"a member index in 0..{len(self.members) - 1}")
+
+    @property
+    def primary(self) -> Member:
+        """The drafter: max_new_tokens and completion tokens count its tokens."""
+        return self.members[self.config.drafter]
+
+    def prompt_tokens(self, request: SafeRequest) -> int:
+        return request.views[request.drafter].state.prompt_len
+
+    def fusion(self, name: str, top_k: int) -> Distribution:
+        """The fusion rule (kept per method: its token tables and union vocabulary are reused)."""
+        key = (name, top_k)
+        if key not in self._fusions:
+            self._fusions[key] = make_distribution(name, self.members, top_k)
+        return self._fusions[key]
+
+    # ------------------------------------------------------------------ request
+    def begin(self, prompt: Prompt, config: SafeConfig) -> SafeRequest:
+        self._check_drafter(config)
+        fusion = self.fusion(config.distribution, config.top_k)
+        weights = fusion_weights(config.fusion_weights, [m.name for m in self.members])
+        return SafeRequest(config, start_views(self.members, prompt, config), config.drafter, fusion, weights)
+
+    def step(self, request: SafeRequest) -> Chunk:
+        request.counters.rounds += 1
+        before = request.text
+        draft = self._draft(request)
+        windows = self._verify(request, draft)
+        finish = self._commit(request, draft, self._scan(request, draft, windows))
+        if finish is None and request.used() >= request.config.max_new_tokens:
+            finish = "length"
+        if finish == "length":
+            self._truncate(request, len(before))
+        delta = request.text[len(before):]
+        pipeline = request.views[request.drafter].pipeline
+        pipeline.restore(draft.mark)  # the grammar follows the committed text, not the draft
+        pipeline.commit(delta)
+        return Chunk(delta, done=finish is not None, finish_reason=finish)
+
+    # ------------------------------------------------------------------ 1. draft
+    def _draft(self, request: SafeRequest) -> _Draft:
+        config, view = request.config, request.views[request.drafter]
+        state, member = view.state, view.member
+        budget = config.max_new_tokens - request.used()
+        limit = min(config.lookahead, budget)
+        base = len(state.ids)
+        context = state.ids[max(0, base - DECODE_CONTEXT):base]
+        mark = view.pipeline.checkpoint()  # a constrained request: the drafter drafts under its own grammar
+        view.pipeline.set_budget(budget)  # closing pressure near the end
+        ids, probs = draft_tokens(state, limit, budget, view.pipeline, config.draft_confidence,
+                                  guesses_now(config.prompt_lookup, config.prompt_lookup_max_requests))
+        eos = ids[-1] in member.eos_token_ids
+        text_ids = ids[:-1] if eos else ids
+        pieces: list[str | None] = []
+        text = ""
+        for i in range(1, len(text_ids) + 1):
+            piece = decode_suffix(member.tokenizer, context, text_ids[:i])
+            if piece.endswith(REPLACEMENT_CHAR) or not piece.startswith(text):
+                pieces.append(None)
+            else:
+                text = piece
+                pieces.append(piece)
+        at_start = len(view.tokens) == 0
+        if at_start and not text.startswith(view.lead):
+            view.lead = ""  # the drafter opened its reply differently: its text is the shared text
+        shift = len(view.lead) if at_start else 0
+        bounds: list[int | None] = [0]
+        complete = 0
+        for i, piece in enumerate(pieces, start=1):
+            if piece is None or (shift and len(piece) <= shift):
+                bounds.append(None)
+            else:
+                bounds.append(len(piece) - shift)
+                complete = i
+        kept = pieces[complete - 1] if complete else ""
+        request.counters.drafted += len(ids)
+        return _Draft(ids, probs, eos, kept or "", shift, bounds, complete,
+                      budget_cut=len(ids) >= budget and not eos, mark=mark)
+
+    # ------------------------------------------------------------------ 2. verify
+    def _verify(self, request: SafeRequest, draft: _Draft) -> list[_Window]:
+        shared = request.text + draft.shared_text
+        windows = []
+        for index, view in enumerate(request.views):
+            if index == request.drafter:
+                continue
+            keep, tokens = view.continuation(view.lead + shared, request.config.margin)
+            first = tokens.tokens_before(view.offset(len(request.text)))
+            start = min(keep, first)
+            view.state.crop(view.state.prompt_len + start)
+            probs = window_probs(view.state, tokens.ids[start:], first - start)
+            view.tokens = tokens
+            windows.append(_Window(index, tokens, first, probs, probs.argmax()))
+        return windows
+
+    # ------------------------------------------------------------------ 3./4. ensemble points
+    def _scan(self, request: SafeRequest, draft: _Draft, windows: list[_Window]) -> _Decision:
+        """Walk the draft's points in order and decide what this round commits.
+
+        At the first point that passes both checks the members' distributions are fused.
+        If the ensemble picks the drafter's own token, nothing changes for the text nor for
+        any member's state, so the scan goes on with the rest of the draft (a greedy redraft
+        would produce the same tokens; this saves it). Any other choice ends the round.
+        """
+        config, counters = request.config, request.counters
+        drafter_eos = request.views[request.drafter].member.eos_id_tensor
+        drafter_keys = member_table(request.views[request.drafter].member).keys
+        n_members = len(request.views)
+        share = request.weights.tolist() if request.weights is not None else None
+        for j in range(len(draft.ids)):
+            is_eos = draft.eos and j == len(draft.ids) - 1
+            if draft.bounds[j] is None:  # inside a character (or the lead) for the drafter
+                counters.skipped_oov += 1
+                continue
+            if not is_eos and draft.next_valid(j) is None:
+                break  # token j ends in an unfinished character: not decidable this round
+            offset = len(request.text) + draft.bounds[j]
+            supports = self._verifier_support(request, windows, offset, is_eos)
+            if supports is None:
+                counters.skipped_oov += 1
+                continue
+            p_draft = draft.probs.mass(j, drafter_eos) if is_eos else draft.probs.prob(j, draft.ids[j])
+            average = ((p_draft + sum(p for p, _ in supports)) / n_members if share is None else
+                       share[request.drafter] * p_draft + sum(share[w.index] * p for w, (p, _) in zip(windows, supports)))
+            if (all(agree for _, agree in supports) or average >= config.consensus_threshold
+                    or (config.distribution == "gac" and p_draft >= GAC_DRAFTER_CONFIDENT)):
+                counters.skipped_consensus += 1
+                continue
+            key, prefixes = self._ensemble(request, draft, windows, j)
+            counters.ensembled += 1
+            if isinstance(key, EndOfText):
+                return _Decision(j, None, eos=True, eos_drafted=is_eos)
+            if is_eos or draft.bounds[j + 1] is None or drafter_keys[draft.ids[j]] != prefixes[request.drafter] + key:
+                return _Decision(j, key.decode("utf-8"))
+        if not draft.eos and draft.complete == 0 and not draft.budget_cut:
+            # the draft never completes a character: only an ensemble point makes progress
+            key, _ = self._ensemble(request, draft, windows, 0)
+            counters.ensembled += 1
+            if isinstance(key, EndOfText):
+                return _Decision(0, None, eos=True)
+            return _Decision(0, key.decode("utf-8"))
+        return _Decision(draft.complete, None, eos=draft.eos, eos_drafted=draft.eos)
+
+    def _verifier_support(self, request: SafeRequest, windows: list[_Window], offset: int,
+                          is_eos: bool) -> list[tuple[float, bool]] | None:
+        """Per verifier: (probability of continuing as drafted, argmax agrees); None if unstable."""
+        out = []
+        for w in windows:
+            view = request.views[w.index]
+            own = view.offset(offset)
+            if not w.tokens.is_boundary(own):
+                return None
+            k = w.tokens.tokens_before(own)
+            if k < w.first:
+                return None
+            r = k - w.first
+            best = w.argmax[r]
+            if is_eos:
+                out.append((w.probs.mass(r, view.member.eos_id_tensor), best in view.member.eos_token_ids))
+            elif k < len(w.tokens):
+                nxt = w.tokens.ids[k]
+                out.append((w.probs.prob(r, nxt), best == nxt))
+            else:
+                return None
+        return out
+
+    # ------------------------------------------------------------------ 5. commit
+    def _commit(self, request: SafeRequest, draft: _Draft, decision: _Decision) -> str | None:
+        """Commit the decided text, crop the drafter; return a finish reason or None."""
+        counters = request.counters
+        self._accept(request, draft, decision.accept)
+        kept = decision.accept + int(decision.eos_drafted)
+        counters.accepted += kept
+        counters.replaced += len(draft.ids) - kept
+        request.spent += decision.accept
+        if decision.piece is not None:
+            before = len(request.views[request.drafter].tokens)
+            self._append(request, decision.piece)
+            request.spent += max(1, len(request.views[request.drafter].tokens) - before)
+        if decision.eos:
+            return "eos"
+        if decision.piece is None and draft.budget_cut:
+            return "length"
+        return None
+
+    def _ensemble(self, request: SafeRequest, draft: _Draft, windows: list[_Window],
+                  point: int) -> tuple[Any, list[bytes]]:
+        """Fuse, sharpen and choose at ``point``; returns the chosen key and the members' prefixes."""
+        offset = len(request.text) + (draft.bounds[point] or 0)
+        prefixes = [view.lead.encode("utf-8") if offset == 0 else b"" for view in request.views]
+        probs: list[torch.Tensor | None] = [None] * len(request.views)
+        probs[request.drafter] = draft.probs.row(point)
+        for w in windows:
+            probs[w.index] = w.probs.row(w.tokens.tokens_before(request.views[w.index].offset(offset)) - w.first)
+        candidates = request.fusion.fuse(probs, drafter=request.drafter, prefixes=prefixes,  # type: ignore[arg-type]
+                                         weights=request.weights)
+        pipeline = request.views[request.drafter].pipeline  # the request's one stream of choices
+        if pipeline.constrained:  # only candidates every member's grammar accepts (it is one grammar over text)
+            pipeline.restore(draft.mark)
+            prefix = draft.shared_text[: draft.bounds[point] or 0]
+            allowed = pipeline.allowed_candidates(candidates, prefix)
+            if allowed is None:  # none of the fused candidates: the drafter's own (masked, so valid) token
+                return (EndOfText() if draft.eos and point == len(draft.ids) - 1
+                        else member_table(request.views[request.drafter].member).keys[draft.ids[point]]), prefixes
+            # the verifiers scored without the loop penalty and the closing pressure: apply both by text
+            candidates = pipeline.reweighted(allowed, prefix)
+        scores = sharpen(candidates, request.config.sharpening)
+        return candidates.keys[pipeline.choose(scores)], prefixes
+
+    def _accept(self, request: SafeRequest, draft: _Draft, count: int) -> None:
+        """Keep the first ``count`` drafted text tokens (they end on a valid boundary)."""
+        view = request.views[request.drafter]
+        t = view.tokens
+        base = len(t.text)
+
+        def own(k: int) -> int:  # drafter offset after k drafted tokens (k on a valid boundary)
+            return draft.bounds[k] + draft.shift if k else 0  # type: ignore[operator]
+
+        ids = draft.text_ids[:count]
+        starts, ends, valid = [], [], []
+        last_valid = 0
+        for i in range(count):
+            nxt = draft.next_valid(i)
+            assert nxt is not None and nxt <= count
+            starts.append(base + own(last_valid))
+            ends.append(base + own(nxt))
+            valid.append(draft.bounds[i + 1] is not None)
+            if valid[-1]:
+                last_valid = i + 1
+        added = draft.text[: own(count)]
+        view.tokens = t.extend(Tokenized(added, tuple(ids), tuple(starts), tuple(ends), tuple(valid)))
+        request.text += added[draft.shift:] if count else ""
+        target = view.state.prompt_len + len(view.tokens)
+        if len(view.state.ids) > target:
+            view.state.crop(target)
+        else:
+            view.state.extend(ids[len(view.state.ids) - view.state.prompt_len - len(t):])
+
+    def _append(self, request: SafeRequest, piece: str) -> None:
+        """Append ensemble-chosen text, encoded for the drafter in context (after its lead)."""
+        view = request.views[request.drafter]
+        text = request.text + piece
+        view.commit(*view.continuation(view.lead + text, request.config.margin))
+        request.text = text
+
+    def _truncate(self, request: SafeRequest, floor: int) -> None:
+        """Cut the drafter's tokens back to ``max_new_tokens`` at a valid boundary.
+
+        An ensemble point may append a string of several drafter tokens; the cut never
+        goes behind ``floor`` (shared text already returned) nor inside a character.
+        """
+        view = request.views[request.drafter]
+        t = view.tokens
+        if len(t) <= request.config.max_new_tokens:
+            return
+        n = t.last_boundary(request.config.max_new_tokens)
+        cut = t.end(n)
+        shared = max(cut - len(view.lead), 0) if n else 0
+        if shared < floor or (n and cut < len(view.lead)):
+            return
+        view.truncate(n)
+        request.text = request.text[:shared]
+
+    # ------------------------------------------------------------------ stats
+    def stats(self, request: SafeRequest) -> SafeStats:
+        """The counters kept during the request, completed with the totals and the members' work."""
+        return dataclasses.replace(
+            request.counters, method=self.name, tokens=len(request.views[request.drafter].tokens),
+            members=[MemberStats.of(v.state, "drafter" if i == request.drafter else "verifier")
+                     for i, v in enumerate(request.views)],
+            distribution=request.config.distribution, drafter=request.views[request.drafter].member.name,
+            sharpening=request.config.sharpening,
+        )

@@ -1,0 +1,291 @@
+"""Loading a member's model and tokenizer: from an alias, a directory, a GGUF file or a hub id.
+
+:class:`MemberSpec` says what to load and where (dtype, device, quantization, prepacking);
+:func:`load_objects` loads it once per process (weights are shared by every ensemble that
+names the same spec). Hub look-ups fail fast when the hub cannot be reached, and a near-miss
+of a bundled alias fails at once with a suggestion. This module knows nothing about
+decoding: :class:`~ensemble_core.decoding.members.Member` wraps what it loads.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import platform
+import re
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ensemble_core.errors import (
+    InvalidOptionError,
+    MissingDependencyError,
+    ModelLoadError,
+    UnknownAliasError,
+)
+from ensemble_core.models.bundled import BUNDLED, convert_gguf
+from ensemble_core.models.products import available_memory, should_prepack, use_cpu_products
+from ensemble_core.models.quantize import check_scheme, quantize
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class MemberSpec:
+    """How to load one member.
+
+    ``source`` is a built-in alias (``smollm2-135m-instruct``, ``gemma3-270m``), a local
+    directory, a ``.gguf`` file, or a Hugging Face model id. ``dtype`` is ``"auto"``
+    (float32 on CPU, bfloat16 on GPU), a name or a torch dtype. ``device`` places the whole
+    model (``"cpu"``, ``"cuda:1"``); ``device_map`` hands placement to accelerate
+    (``"auto"`` or a dict) and excludes ``device``. ``chat_template`` overrides the
+    tokenizer's template; ``attn_implementation`` is passed to transformers. ``quantize``
+    (``"int8"``, CPU and float32 only) makes the body's linear layers dynamic int8: faster
+    on a CPU, different greedy outputs (see :mod:`ensemble_core.models.quantize`). ``prepack``: a
+    float32 member on a CPU also keeps its linear weights in oneDNN's blocked layout, which
+    makes passes of several tokens (verify windows, packed candidates, batched steps,
+    prefill) 1.2-2x faster with the same values, for a second copy of those weights in
+    memory: None (default) does it when the copy fits easily in the memory available at
+    load, True / False decide (see :mod:`ensemble_core.models.products`).
+    """
+
+    source: str
+    name: str | None = None
+    dtype: Any = "auto"
+    device: str | None = None
+    device_map: Any = None
+    chat_template: str | None = None
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    quantize: str | None = None
+    prepack: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, (str, os.PathLike)) or not str(self.source).strip():
+            raise InvalidOptionError("source", self.source, "an alias, a path or a model id")
+        if self.device is not None and self.device_map is not None:
+            raise InvalidOptionError("device_map", self.device_map, "None when device is given (pass one of them)")
+        if not (self.dtype == "auto" or self.dtype in _DTYPES or isinstance(self.dtype, torch.dtype)):
+            raise InvalidOptionError("dtype", self.dtype, "'auto', 'float32', 'float16', 'bfloat16' or a torch.dtype")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as exc:
+                raise InvalidOptionError("device", self.device, "a torch device string such as 'cpu' or 'cuda:0'") from exc
+        check_scheme(self.quantize, _resolve_dtype(self.dtype, self.device), self.device, self.device_map)
+        if self.prepack is not None and not isinstance(self.prepack, bool):
+            raise InvalidOptionError("prepack", self.prepack, "None (when it fits in memory), True or False")
+
+
+def per_member_options(count: int, dtype: Any = "auto", devices: Sequence[str] = (),
+                       quantize: Sequence[str | None] = (), prepack: bool | None = None) -> list[dict[str, Any]]:
+    """Load options of ``count`` members from command-line style lists (one value for all, or one per member).
+
+    ``dtype`` is one value or a list (``["float32", "bfloat16"]``: a float32 drafter next to
+    a bfloat16 verifier). ``quantize`` values are ``"int8"`` or ``"none"``/None. ``prepack``
+    is one value for all (None: when it fits; False: ``--no-prepack``, one copy of the weights). Shared by
+    ``ensemble`` and ``ensemble bench`` so that both read their flags the same way.
+    """
+    def pick(values: Sequence[Any], flag: str, i: int) -> Any:
+        if len(values) not in (1, count):
+            raise InvalidOptionError(flag, list(values), f"one value for all members or one per member ({count})")
+        return values[i if len(values) > 1 else 0]
+
+    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
+    out = []
+    for i in range(count):
+        opts: dict[str, Any] = {"dtype": pick(dtypes, "--dtype", i)}
+        if prepack is not None:
+            opts["prepack"] = prepack
+        if devices:
+            opts["device"] = pick(devices, "--device", i)
+        if quantize:
+            scheme = pick(quantize, "--quantize", i)
+            opts["quantize"] = None if scheme in (None, "none") else scheme
+        out.append(opts)
+    return out
+
+
+#: ``/proc/cpuinfo`` flags of x86 instructions that multiply bfloat16 natively (oneDNN uses them).
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The ``flags`` of the first processor in a ``/proc/cpuinfo`` text (empty if it has none)."""
+    for line in cpuinfo.splitlines():
+        if line.split(":")[0].strip() == "flags":
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+@functools.cache
+def cpuinfo() -> str:
+    """Linux's ``/proc/cpuinfo`` text (empty where it is absent)."""
+    try:
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux reports them (empty where ``/proc/cpuinfo`` is absent)."""
+    return parse_cpu_flags(cpuinfo())
+
+
+def cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), else :func:`platform.processor`."""
+    for line in cpuinfo().splitlines():
+        if line.split(":")[0].strip() == "model name":
+            return line.partition(":")[2].strip()
+    return platform.processor()
+
+
+def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), as oneDNN's kernels need.
+
+    Why it matters: there a bfloat16 member is 1.2-1.6x faster per step and its verify
+    windows and batched passes cost about one step (docs/benchmarks.md, "bfloat16 on a CPU
+    with native bf16"), while a CPU without it (AVX2 only) gains 1.1-1.4x from memory
+    traffic alone. ``dtype="auto"`` still means float32 on every CPU: greedy outputs differ
+    between the two dtypes, and a default must not change them from one machine to the next.
+    """
+    return bool((cpu_flags() if flags is None else flags) & set(NATIVE_BF16_FLAGS))
+
+
+def _resolve_dtype(dtype: Any, device: str | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        on_gpu = device is not None and not str(device).startswith("cpu")
+        return torch.bfloat16 if on_gpu else torch.float32
+    return _DTYPES[dtype]
+
+
+def _resolve_source(source: str) -> tuple[Path | str, str | None, str | None]:
+    """Return ``(path_or_id, gguf_file, alias)`` for a member source.
+
+    A name that is neither an alias nor an existing path must look like a Hugging Face
+    model id; a near-miss of an alias (``"smollm2-135m-instuct"``) fails at once with a
+    suggestion instead of asking the hub.
+    """
+    if source in BUNDLED:
+        gguf_path = BUNDLED[source].locate()
+        return convert_gguf(gguf_path), None, source
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path), None, None
+    if path.is_dir():
+        return path, None, None
+    suggestion = closest_alias(source)
+    if not HUB_ID.fullmatch(source) or source.endswith(".gguf"):
+        raise UnknownAliasError(source, list(BUNDLED), suggestion, "not a valid Hugging Face model id either")
+    if suggestion and "/" not in source:
+        raise UnknownAliasError(source, list(BUNDLED), suggestion, "too close to a built-in alias to be a hub id")
+    return source, None, None
+
+
+#: What a Hugging Face model id looks like: ``name`` or ``owner/name`` of letters, digits, ``-_.``.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+
+
+#: How long the hub may take to answer a connection before a look-up is treated as offline.
+HUB_CONNECT_TIMEOUT_S = 3.0
+
+
+def closest_alias(name: str) -> str | None:
+    """The built-in alias a mistyped name most likely means (None when nothing is close)."""
+    matches = difflib.get_close_matches(name.lower(), list(BUNDLED), n=1, cutoff=0.75)
+    return matches[0] if matches else None
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """Whether the Hugging Face endpoint accepts a TCP connection within :data:`HUB_CONNECT_TIMEOUT_S`.
+
+    Asked once per process before the first hub look-up: on a machine without network the
+    hub client would otherwise retry for most of a minute before failing.
+    """
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname or "", url.port or 443), timeout=HUB_CONNECT_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+_LOADED: dict[tuple, tuple[Any, Any]] = {}
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+LOAD_SECONDS: dict[str, float] = {}
+
+
+def _load_objects(spec: MemberSpec) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target, gguf_file, alias = _resolve_source(str(spec.source))
+    dtype = _resolve_dtype(spec.dtype, spec.device)
+    local = isinstance(target, Path)
+    offline = local or os.environ.get("HF_HUB_OFFLINE") == "1" or not hub_reachable()
+    kwargs: dict[str, Any] = {"local_files_only": offline, "trust_remote_code": spec.trust_remote_code}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
+        model_kwargs = dict(kwargs, dtype=dtype)
+        if spec.device_map is not None:
+            model_kwargs["device_map"] = spec.device_map
+        if spec.attn_implementation:
+            model_kwargs["attn_implementation"] = spec.attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(target, **model_kwargs)
+    except ImportError as exc:
+        if "accelerate" in str(exc):
+            raise MissingDependencyError("accelerate", "device_map placement") from exc
+        raise ModelLoadError(f"Loading {spec.source!r} failed: {exc}") from exc
+    except OSError as exc:
+        if not local and alias is None:
+            why = None if os.environ.get("HF_HUB_OFFLINE") == "1" or hub_reachable() else (
+                "the Hugging Face hub cannot be reached from here and the id is not in the local cache")
+            raise UnknownAliasError(str(spec.source), list(BUNDLED), closest_alias(str(spec.source)), why) from exc
+        raise ModelLoadError(f"Loading {spec.source!r} from {target} failed: {exc}") from exc
+    if spec.device_map is None:
+        model.to(spec.device or "cpu")
+    model.eval()
+    model.requires_grad_(False)
+    quantize(model, spec.quantize)  # opt-in, the head stays float32: see quantize.py
+    # float32 products on a CPU through oneDNN, prepacked when the copy fits: see products.py
+    prepacked = spec.prepack if spec.prepack is not None else should_prepack(model, available_memory())
+    use_cpu_products(model, prepacked=prepacked)
+    return model, tokenizer
+
+
+def load_objects(spec: MemberSpec) -> tuple[Any, Any]:
+    """Load (or fetch from the per-process cache) a model and tokenizer for ``spec``."""
+    key = (str(spec.source), str(spec.dtype), spec.device, repr(spec.device_map),
+           spec.attn_implementation, spec.trust_remote_code, spec.quantize, spec.prepack)
+    with _LOAD_LOCK:
+        if key not in _LOADED:
+            t0 = time.perf_counter()
+            _LOADED[key] = _load_objects(spec)
+            LOAD_SECONDS[str(spec.source)] = time.perf_counter() - t0
+        return _LOADED[key]
+
+
+def clear_loaded() -> None:
+    """Forget every model loaded in this process (frees memory once unreferenced)."""
+    with _LOAD_LOCK:
+        _LOADED.clear()
+

@@ -1,0 +1,666 @@
+"""Ensemble distributions: fusing next-token distributions over different vocabularies.
+
+Members with different tokenizers cannot average probability vectors index by index.
+Both rules here compare tokens by their *text*, as UTF-8 bytes (a byte-level BPE token
+and a SentencePiece byte-fallback token for the same byte are the same key), and return
+a small set of :class:`Candidates`: complete strings (or the end of the text) with each
+member's probability and the average.
+
+* :class:`UniTE` (top-k union, ICLR 2025): each member's top-k strings are united; a
+  member's probability of a string outside its own top-k is the probability of the token
+  with exactly that text when it has one, else of the first token of its own encoding of
+  the string. Probabilities are full-vocabulary (no re-normalisation over the union), so
+  over identical tokenizers the fused value is the plain average.
+* :class:`GaC` (union vocabulary, EMNLP Findings 2024): every member's whole vocabulary is
+  mapped once onto the union of normalised token texts (``Ġ``/``▁`` → space, ``Ċ`` →
+  newline, ``<0xNN>`` → that byte); a member's union distribution is a scatter-add of its
+  probabilities (a sparse matmul with a 0/1 matrix, done as ``index_add``), the fused one
+  the average.
+
+Only *complete* strings are candidates: a token that stops inside a multi-byte character
+(SmolLM2's first byte of "東") cannot be appended as text. Its mass still counts where a
+complete string of another member starts with it (UniTE's first-token lookup). The chosen
+string is always appended whole, never just its first sub-token (a pitfall of the
+published UniTE code).
+
+Sharpening (:func:`sharpen`) counters the way averaging over different tokenizations
+spreads mass over "So" / "Sof" / "Sofia": the SAFE paper's prefix merge, or a geometric
+mean that penalises strings one member finds unlikely.
+
+Both papers average the members uniformly, and so does this module by default. With
+members of unequal strength that is a trap: two weak members that agree outvote a strong
+one (measured: the trio SmolLM2 + Gemma-3 + Qwen2.5 loses arith questions Qwen alone gets
+right, docs/benchmarks.md). ``fusion_weights`` (:func:`fusion_weights`) turn the average
+into a weighted one, the geometric mean likewise.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, ClassVar, Union
+
+import torch
+
+from ensemble_core.errors import InvalidOptionError
+
+
+class EndOfText:
+    """The candidate "stop here" (any of a member's EOS tokens)."""
+
+    _instance: EndOfText | None = None
+
+    def __new__(cls) -> EndOfText:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "<end of text>"
+
+
+END = EndOfText()
+#: A candidate: the UTF-8 bytes of a string, or :data:`END`.
+Key = Union[bytes, EndOfText]
+
+SHARPENING = ("heuristic", "geometric", "none")
+#: Sharpening applies only when the fused distribution's maximum is below this.
+SHARPEN_BELOW = 0.5
+#: Prefix merge only lifts candidates with more fused mass than this (published value).
+PREFIX_MIN_PROB = 0.1
+
+
+# ============================================================================ token texts
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's ``bytes_to_unicode``: printable stand-in character → byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _decoder_types(tokenizer: Any) -> set[str]:
+    """Types of the fast tokenizer's decoder pipeline (``ByteLevel``, ``ByteFallback``, ...)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None:
+        return set()
+    return set(re.findall(r"([A-Za-z]+)\(", repr(decoder)))  # "Sequence(decoders=[Replace(...), ByteFallback(), ...])"
+
+
+def token_bytes(tokenizer: Any, ids: Sequence[int]) -> list[bytes | None]:
+    """The UTF-8 bytes each token contributes to a text (None: special or unknown id).
+
+    Byte-level BPE tokens are mapped back through GPT-2's byte alphabet; SentencePiece
+    pieces get ``▁`` → space and ``<0xNN>`` → that byte. Other tokenizers fall back to
+    decoding each id alone (a token that decodes to U+FFFD then has no key).
+    """
+    ids = [int(i) for i in ids]
+    size = len(tokenizer)
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special.update(i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(tok, "special", False))
+    kinds = _decoder_types(tokenizer)
+    known = [i for i in ids if 0 <= i < size and i not in special]
+    out: dict[int, bytes | None] = {}
+    if "ByteLevel" in kinds:
+        table = _byte_decoder()
+        for i, piece in zip(known, tokenizer.convert_ids_to_tokens(known)):
+            try:
+                out[i] = bytes(table[c] for c in piece)
+            except KeyError:  # an added (non-special) token written in plain text
+                out[i] = piece.encode("utf-8")
+    elif "ByteFallback" in kinds or "Metaspace" in kinds or "Replace" in kinds:
+        for i, piece in zip(known, tokenizer.convert_ids_to_tokens(known)):
+            match = _BYTE_TOKEN.match(piece)
+            out[i] = bytes([int(match.group(1), 16)]) if match else piece.replace("\u2581", " ").encode("utf-8")
+    else:
+        texts = [tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in known]
+        for i, text in zip(known, texts):
+            out[i] = None if "\ufffd" in text else text.encode("utf-8")
+    return [out.get(i) or None for i in ids]
+
+
+def is_complete(key: bytes) -> bool:
+    """Whether ``key`` is whole UTF-8 text (no character cut in two)."""
+    try:
+        key.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class TokenTable:
+    """One member's vocabulary as texts: key per id, ids per key, which ids are candidates.
+
+    ``size`` is the number of rows of the model's output (it may exceed the tokenizer's
+    vocabulary; the extra ids have no text).
+    """
+
+    keys: tuple[bytes | None, ...]
+    ids_of: dict[bytes, tuple[int, ...]]
+    eos_ids: tuple[int, ...]
+    selectable: torch.Tensor  # bool [size]: complete, non-empty text, or EOS
+
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Building ~10^5 small objects would trigger collections that rescan the (large) heap."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+_TABLES: dict[tuple[int, int, tuple[int, ...]], tuple[Any, TokenTable]] = {}
+_TABLE_LOCK = threading.Lock()
+#: one lock per table being built: concurrent first requests wait for one build instead of each making it
+_BUILD_LOCKS: dict[tuple[int, int, tuple[int, ...]], threading.Lock] = {}
+
+
+def token_table(tokenizer: Any, size: int, eos_ids: Sequence[int]) -> TokenTable:
+    """The :class:`TokenTable` of a tokenizer (built once per process: ~0.3 s for 262k tokens).
+
+    Built by one thread only: eight concurrent first requests of a batched SAFE run each
+    built Gemma-3's and SmolLM2's tables at once under the GIL, ~8 s of a 30-40 s batch
+    (py-spy, ``docs/benchmarks.md``).
+    """
+    eos = tuple(sorted(int(i) for i in eos_ids if 0 <= int(i) < size))
+    cache_key = (id(tokenizer), size, eos)
+    with _TABLE_LOCK:
+        hit = _TABLES.get(cache_key)
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
+        build_lock = _BUILD_LOCKS.setdefault(cache_key, threading.Lock())
+    with build_lock:
+        with _TABLE_LOCK:
+            hit = _TABLES.get(cache_key)
+            if hit is not None and hit[0] is tokenizer:
+                return hit[1]
+        table = _build_table(tokenizer, size, eos)
+        with _TABLE_LOCK:
+            _TABLES[cache_key] = (tokenizer, table)  # the tokenizer is kept so its id is not reused
+            _BUILD_LOCKS.pop(cache_key, None)
+    return table
+
+
+def _build_table(tokenizer: Any, size: int, eos: tuple[int, ...]) -> TokenTable:
+    with _gc_paused():
+        keys = token_bytes(tokenizer, range(size))
+        for i in eos:
+            keys[i] = None
+        ids_of: dict[bytes, tuple[int, ...]] = {}
+        for i, k in enumerate(keys):
+            if k is not None:
+                ids_of[k] = ids_of.get(k, ()) + (i,)
+        ok = [i for i, k in enumerate(keys) if k is not None and is_complete(k)]
+    selectable = torch.zeros(size, dtype=torch.bool)
+    selectable[torch.tensor(ok, dtype=torch.long)] = True
+    if eos:
+        selectable[list(eos)] = True
+    return TokenTable(tuple(keys), ids_of, eos, selectable)
+
+
+def member_table(member: Any) -> TokenTable:
+    """:func:`token_table` for anything with ``tokenizer``, ``vocab_size`` and ``eos_token_ids``."""
+    return token_table(member.tokenizer, int(member.vocab_size), sorted(member.eos_token_ids))
+
+
+# ============================================================================ candidates
+@dataclass(frozen=True)
+class Candidates:
+    """A fused distribution over a small set of candidate continuations.
+
+    ``member_probs[m, c]`` is member ``m``'s probability of candidate ``c``; ``fused`` their
+    average (weighted by ``weights`` when given); ``drafter_top[c]`` whether ``c`` is among the drafter's own top-k (the prefix
+    merge lifts only those). Earlier candidates win ties (the drafter's come first).
+    """
+
+    keys: tuple[Key, ...]
+    member_probs: torch.Tensor
+    fused: torch.Tensor
+    drafter_top: torch.Tensor
+    weights: torch.Tensor | None = None  # per member, summing to 1; None: uniform
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def text(self, index: int) -> str | None:
+        """The text of candidate ``index`` (None for the end of the text)."""
+        key = self.keys[index]
+        return None if isinstance(key, EndOfText) else key.decode("utf-8")
+
+    def subset(self, keep: Sequence[bool]) -> Candidates | None:
+        """Only the candidates where ``keep`` is true (None if none is): a grammar's choice."""
+        idx = [i for i, k in enumerate(keep) if k]
+        if not idx:
+            return None
+        at = torch.tensor(idx, dtype=torch.long)
+        return Candidates(tuple(self.keys[i] for i in idx), self.member_probs[:, at], self.fused[at],
+                          self.drafter_top[at], self.weights)
+
+    def reweighted(self, factors: torch.Tensor) -> Candidates:
+        """The same candidates with ``fused`` scaled by ``factors`` (a penalty on some of them).
+
+        Not renormalized: a penalized candidate's mass is gone, as a masked token's is, so
+        :func:`sharpen` sees how sure the members still are about the rest.
+        """
+        return Candidates(self.keys, self.member_probs, self.fused * factors.to(self.fused.dtype), self.drafter_top,
+                          self.weights)
+
+
+def grammar_allows(grammar: Any, prefix: str, key: Key) -> bool:
+    """Whether ``grammar`` (a ``constraints.ConstraintState`` at the committed text) accepts ``prefix`` then ``key``."""
+    if isinstance(key, EndOfText):
+        return grammar.accepts_text(prefix, end=True)
+    try:
+        return grammar.accepts_text(prefix + key.decode("utf-8"))
+    except UnicodeDecodeError:
+        return False
+
+
+class Distribution(ABC):
+    """A fusion rule over the members' next-token distributions (one subclass per rule).
+
+    ``members``: objects with ``tokenizer``, ``vocab_size`` and ``eos_token_ids`` (the
+    :class:`~ensemble_core.decoding.members.Member` API). :meth:`fuse` takes one probability vector
+    per member, in member order, and the index of the drafter.
+
+    ``prefixes[m]`` (optional) is text that member ``m`` still has to write before the
+    shared text continues: at the very start of a reply a base-model transcript member
+    (``"Assistant:"``) writes ``" The"`` where a chat member writes ``"The"``. Member
+    ``m``'s candidate ``prefix + s`` then counts as ``s``; strings not starting with the
+    prefix are not candidates for it.
+    """
+
+    name: ClassVar[str] = "distribution"
+
+    def __init__(self, members: Sequence[Any], top_k: int = 10) -> None:
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise InvalidOptionError("top_k", top_k, "an integer >= 1")
+        self.members = list(members)
+        self.top_k = top_k
+        self._tables: list[TokenTable] | None = None
+
+    @property
+    def tables(self) -> list[TokenTable]:
+        if self._tables is None:
+            self._tables = [member_table(m) for m in self.members]
+        return self._tables
+
+    def _check(self, probs: Sequence[torch.Tensor], drafter: int, prefixes: Sequence[bytes] | None,
+               weights: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[bytes]]:
+        n = len(self.members)
+        if len(probs) != n:
+            raise InvalidOptionError("probs", f"{len(probs)} vectors", f"one per member ({n})")
+        if not 0 <= drafter < n:
+            raise InvalidOptionError("drafter", drafter, f"a member index in 0..{n - 1}")
+        if prefixes is not None and (len(prefixes) != n or not all(isinstance(x, bytes) for x in prefixes)):
+            raise InvalidOptionError("prefixes", prefixes, f"one bytes string per member ({n})")
+        if weights is not None and tuple(weights.shape) != (n,):
+            raise InvalidOptionError("weights", tuple(weights.shape), f"one weight per member ({n}): see fusion_weights()")
+        out = []
+        for p, table in zip(probs, self.tables):
+            p = p.detach().float().reshape(-1).cpu()
+            if p.numel() != table.size:
+                raise InvalidOptionError("probs", f"a vector of {p.numel()}",
+                                         f"{table.size} probabilities (the member's vocabulary)")
+            out.append(p)
+        return out, list(prefixes) if prefixes is not None else [b""] * n
+
+    def _top_selectable(self, p: torch.Tensor, selectable: torch.Tensor, k: int) -> list[int]:
+        k = min(k, int(selectable.sum()))
+        return torch.topk(p.masked_fill(~selectable, -1.0), k).indices.tolist()
+
+    @abstractmethod
+    def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
+             prefixes: Sequence[bytes] | None = None, weights: torch.Tensor | None = None) -> Candidates:
+        """Fuse one probability vector per member into :class:`Candidates`.
+
+        ``weights``: one non-negative weight per member summing to 1 (:func:`fusion_weights`);
+        None averages uniformly, as the papers do.
+        """
+
+
+def _strip_prefix(key: Key, prefix: bytes) -> Key | None:
+    """The shared-text candidate for a member's ``key`` after its ``prefix`` (None: not one)."""
+    if not prefix or isinstance(key, EndOfText):
+        return key
+    if not key.startswith(prefix) or len(key) == len(prefix):
+        return None
+    rest = key[len(prefix):]
+    return rest if is_complete(rest) else None
+
+
+def _gather_candidates(tops: Sequence[Sequence[Key]], order: Sequence[int],
+                       drafter: int) -> tuple[list[Key], torch.Tensor]:
+    """Unite per-member candidate lists (drafter first); mark the drafter's own."""
+    keys: list[Key] = list(dict.fromkeys(k for m in order for k in tops[m]))
+    own = set(tops[drafter])
+    return keys, torch.tensor([k in own for k in keys], dtype=torch.bool)
+
+
+class UniTE(Distribution):
+    """Top-k union: candidates are the members' top-k strings (see the module docstring)."""
+
+    name = "unite"
+
+    def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
+             prefixes: Sequence[bytes] | None = None, weights: torch.Tensor | None = None) -> Candidates:
+        probs, prefixes = self._check(probs, drafter, prefixes, weights)
+        tables = self.tables
+        order = [drafter] + [m for m in range(len(probs)) if m != drafter]
+        tops: list[list[Key]] = []
+        for p, table, prefix in zip(probs, tables, prefixes):
+            top = []
+            for i in self._top_selectable(p, table.selectable, self.top_k):
+                key = _strip_prefix(END if i in table.eos_ids else table.keys[i], prefix)  # type: ignore[arg-type]
+                if key is not None:
+                    top.append(key)
+            tops.append(top)
+        keys, drafter_top = _gather_candidates(tops, order, drafter)
+        member_probs = torch.stack([self._probs_of(keys, p, table, member, prefix)
+                                    for p, table, member, prefix in zip(probs, tables, self.members, prefixes)])
+        return Candidates(tuple(keys), member_probs, weighted_mean(member_probs, weights), drafter_top, weights)
+
+    @staticmethod
+    def _probs_of(keys: Sequence[Key], p: torch.Tensor, table: TokenTable, member: Any,
+                  prefix: bytes = b"") -> torch.Tensor:
+        """A member's probability of each candidate: exact token text, else first sub-token."""
+        ids: list[int] = []
+        slots: list[int] = []
+        missing: list[tuple[int, bytes]] = []
+        for c, key in enumerate(keys):
+            own = table.eos_ids if isinstance(key, EndOfText) else table.ids_of.get(prefix + key, ())
+            if own:
+                ids.extend(own)
+                slots.extend([c] * len(own))
+            elif isinstance(key, bytes):
+                missing.append((c, prefix + key))
+        if missing:
+            texts = [key.decode("utf-8") for _, key in missing]
+            encoded = member.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            for (c, _), first in zip(missing, encoded):
+                if first and 0 <= first[0] < table.size:
+                    ids.append(int(first[0]))
+                    slots.append(c)
+        out = torch.zeros(len(keys))
+        if ids:
+            out.index_add_(0, torch.tensor(slots, dtype=torch.long), p[torch.tensor(ids, dtype=torch.long)])
+        return out
+
+
+@dataclass(frozen=True)
+class UnionVocabulary:
+    """The union of several vocabularies' texts: ``maps[m][id]`` = union index of member m's token.
+
+    Index ``len(keys)`` is the end of the text; ``len(keys) + 1`` collects ids without a
+    text (specials), which are never candidates.
+    """
+
+    keys: tuple[bytes, ...]
+    index: dict[bytes, int]
+    maps: tuple[torch.Tensor, ...]
+    selectable: torch.Tensor  # bool [len(keys) + 2]
+
+    @property
+    def end(self) -> int:
+        return len(self.keys)
+
+    def key(self, index: int) -> Key:
+        return END if index == self.end else self.keys[index]
+
+    def position(self, key: Key) -> int | None:
+        return self.end if isinstance(key, EndOfText) else self.index.get(key)
+
+
+_UNIONS: dict[tuple[int, ...], tuple[tuple[TokenTable, ...], UnionVocabulary]] = {}
+
+
+def union_vocabulary(tables: Sequence[TokenTable]) -> UnionVocabulary:
+    """The :class:`UnionVocabulary` of some token tables (built once per member set and cached)."""
+    cache_key = tuple(id(t) for t in tables)
+    with _TABLE_LOCK:
+        hit = _UNIONS.get(cache_key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], tables)):
+            return hit[1]
+    with _gc_paused():
+        index: dict[bytes, int] = {}
+        for table in tables:
+            for key in table.ids_of:
+                index.setdefault(key, len(index))
+        end, dump = len(index), len(index) + 1
+        maps = []
+        for table in tables:
+            m = [index[k] if k is not None else dump for k in table.keys]
+            for i in table.eos_ids:
+                m[i] = end
+            maps.append(torch.tensor(m, dtype=torch.long))
+        keys = tuple(index)
+        selectable = torch.tensor([is_complete(k) for k in keys] + [True, False], dtype=torch.bool)
+    union = UnionVocabulary(keys, index, tuple(maps), selectable)
+    with _TABLE_LOCK:
+        _UNIONS[cache_key] = (tuple(tables), union)
+    return union
+
+
+class GaC(Distribution):
+    """Union vocabulary: full distributions mapped onto the union of token texts.
+
+    The fused distribution covers the whole union; the returned candidates are its
+    ``top_k × members`` most likely complete strings plus the drafter's own top-k, which
+    carry all the mass that sharpening and choosing need. With prefixes, candidates are
+    gathered per member (its top ``top_k × members`` after the prefix) and each member's
+    probability of ``s`` is its union probability of ``prefix + s``.
+    """
+
+    name = "gac"
+
+    def __init__(self, members: Sequence[Any], top_k: int = 10) -> None:
+        super().__init__(members, top_k)
+        self._union: UnionVocabulary | None = None
+
+    @property
+    def union(self) -> UnionVocabulary:
+        if self._union is None:
+            self._union = union_vocabulary(self.tables)
+        return self._union
+
+    def union_probs(self, probs: Sequence[torch.Tensor], drafter: int = 0) -> torch.Tensor:
+        """Each member's distribution over the union vocabulary, ``[members, union + 2]``."""
+        probs, _ = self._check(probs, drafter, None)
+        union = self.union
+        out = torch.zeros(len(probs), len(union.keys) + 2)
+        for row, p, mapping in zip(out, probs, union.maps):
+            row.index_add_(0, mapping, p)
+        return out
+
+    def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
+             prefixes: Sequence[bytes] | None = None, weights: torch.Tensor | None = None) -> Candidates:
+        _, prefixes = self._check(probs, drafter, prefixes, weights)
+        union = self.union
+        per_member = self.union_probs(probs, drafter)
+        k = self.top_k * len(self.members)
+        order = [drafter] + [m for m in range(len(probs)) if m != drafter]
+        if not any(prefixes):
+            fused = weighted_mean(per_member, weights)
+            drafter_top = self._top_selectable(per_member[drafter], union.selectable, self.top_k)
+            chosen = list(dict.fromkeys(drafter_top + self._top_selectable(fused, union.selectable, k)))
+            index = torch.tensor(chosen, dtype=torch.long)
+            top = torch.zeros(len(chosen), dtype=torch.bool)
+            top[: len(drafter_top)] = True
+            return Candidates(tuple(union.key(i) for i in chosen), per_member[:, index], fused[index], top, weights)
+        tops: list[list[Key]] = []
+        for m, prefix in enumerate(prefixes):
+            size = self.top_k if m == drafter else k
+            stripped = (_strip_prefix(union.key(i), prefix)
+                        for i in self._top_selectable(per_member[m], union.selectable, size))
+            tops.append([key for key in stripped if key is not None])
+        keys, drafter_top_mask = _gather_candidates(tops, order, drafter)
+        member_probs = torch.zeros(len(prefixes), len(keys))
+        for m, prefix in enumerate(prefixes):
+            for c, key in enumerate(keys):
+                pos = union.position(key if isinstance(key, EndOfText) else prefix + key)
+                if pos is not None:
+                    member_probs[m, c] = per_member[m, pos]
+        return Candidates(tuple(keys), member_probs, weighted_mean(member_probs, weights), drafter_top_mask, weights)
+
+
+DISTRIBUTIONS: dict[str, type[Distribution]] = {"unite": UniTE, "gac": GaC}
+
+
+def make_distribution(name: str, members: Sequence[Any], top_k: int = 10) -> Distribution:
+    """The fusion rule called ``name`` (``unite`` or ``gac``) over ``members``."""
+    if name not in DISTRIBUTIONS:
+        raise InvalidOptionError("distribution", name, "one of " + ", ".join(DISTRIBUTIONS))
+    return DISTRIBUTIONS[name](members, top_k)
+
+
+def check_fusion_options(distribution: Any, top_k: Any, sharpening: Any, weights: Any = None) -> Any:
+    """Validate the fusion options shared by the method configs (typed errors).
+
+    Returns ``weights`` in the form a frozen config keeps (:func:`normalize_weight_option`).
+    """
+    if distribution not in DISTRIBUTIONS:
+        raise InvalidOptionError("distribution", distribution, "one of " + ", ".join(DISTRIBUTIONS))
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise InvalidOptionError("top_k", top_k, "an integer >= 1")
+    if sharpening not in SHARPENING:
+        raise InvalidOptionError("sharpening", sharpening, "one of " + ", ".join(SHARPENING))
+    return normalize_weight_option(weights)
+
+
+# ============================================================================ member weights
+WEIGHTS_EXPECTED = ("None, a list with one weight >= 0 per member, or a {member name: weight} mapping "
+                    "(members left out weigh 1); at least one weight > 0")
+
+
+def _weight(value: Any, option: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise InvalidOptionError("fusion_weights", option, WEIGHTS_EXPECTED)
+    return float(value)
+
+
+def normalize_weight_option(weights: Any) -> tuple[float, ...] | tuple[tuple[str, float], ...] | None:
+    """Check ``fusion_weights`` as far as possible without the members; a hashable copy.
+
+    A sequence becomes a tuple of floats, a mapping a tuple of ``(name, weight)`` pairs.
+    How many members there are and what they are called is checked by :func:`fusion_weights`.
+    """
+    if weights is None:
+        return None
+    if isinstance(weights, Mapping) or (isinstance(weights, tuple) and weights and all(
+            isinstance(w, tuple) and len(w) == 2 and isinstance(w[0], str) for w in weights)):
+        pairs = tuple(weights.items()) if isinstance(weights, Mapping) else weights
+        if not pairs or not all(isinstance(name, str) for name, _ in pairs):
+            raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
+        return tuple((name, _weight(w, weights)) for name, w in pairs)
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or not weights:
+        raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
+    values = tuple(_weight(w, weights) for w in weights)
+    if not any(values):
+        raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
+    return values
+
+
+def fusion_weights(weights: Any, names: Sequence[str]) -> torch.Tensor | None:
+    """Per-member fusion weights for members called ``names``, summing to 1 (None: uniform).
+
+    ``weights`` is a config's ``fusion_weights``: one weight per member in member order,
+    or a mapping from member names to weights where members left out weigh 1. Only the
+    ratios matter (``[1, 1, 2]`` is ``[0.25, 0.25, 0.5]``).
+    """
+    option = normalize_weight_option(weights)
+    if option is None:
+        return None
+    if option and isinstance(option[0], tuple):
+        given = dict(option)  # type: ignore[arg-type]
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise InvalidOptionError("fusion_weights", weights,
+                                     f"weights for these members only: {', '.join(names)} (unknown: {', '.join(unknown)})")
+        values = [given.get(name, 1.0) for name in names]
+    else:
+        values = list(option)  # type: ignore[arg-type]
+        if len(values) != len(names):
+            raise InvalidOptionError("fusion_weights", weights,
+                                     f"{len(names)} weights, one per member in order: {', '.join(names)}")
+    total = sum(values)
+    if total <= 0:
+        raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
+    return torch.tensor([v / total for v in values])
+
+
+def weighted_mean(member_probs: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The members' average over dim 0 (``member_probs[m, ...]``), weighted when ``weights`` are given."""
+    if weights is None:
+        return member_probs.mean(0)
+    return torch.tensordot(weights.to(member_probs.dtype), member_probs, dims=1)
+
+
+# ============================================================================ sharpening
+def _is_blank(key: Key) -> bool:
+    return isinstance(key, bytes) and not key.decode("utf-8", errors="replace").strip()
+
+
+def prefix_merge(keys: Sequence[Key], fused: torch.Tensor, drafter_top: torch.Tensor,
+                 min_prob: float = PREFIX_MIN_PROB) -> torch.Tensor:
+    """SAFE's heuristic sharpening: a likely prefix collects the mass of its extensions.
+
+    Every candidate ``s`` with fused probability > ``min_prob`` that is in the drafter's
+    top-k and is not whitespace-only gets the mass of every other candidate that starts
+    with ``s`` ("So" gathers "Sof" and "Sofia"): the models agree on ``s`` and only
+    disagree on how to tokenize what follows. Other scores are unchanged.
+    """
+    scores = fused.clone()
+    for i, s in enumerate(keys):
+        if not isinstance(s, bytes) or fused[i] <= min_prob or not bool(drafter_top[i]) or _is_blank(s):
+            continue
+        extra = [j for j, t in enumerate(keys) if j != i and isinstance(t, bytes) and t.startswith(s)]
+        if extra:
+            scores[i] = fused[i] + fused[extra].sum()
+    return scores
+
+
+def geometric_mean(member_probs: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Score each candidate by ``(∏ p_m) ** (1/N)`` (weighted: ``∏ p_m ** w_m``): one member's doubt is a veto."""
+    return torch.exp(weighted_mean(torch.log(member_probs.clamp_min(1e-12)), weights))
+
+
+def sharpen(candidates: Candidates, rule: str = "heuristic", below: float = SHARPEN_BELOW) -> torch.Tensor:
+    """Scores to choose from: the fused distribution, sharpened when its maximum is < ``below``.
+
+    The result is normalised to sum to 1 so that it can also be sampled from.
+    """
+    if rule not in SHARPENING:
+        raise InvalidOptionError("sharpening", rule, "one of " + ", ".join(SHARPENING))
+    scores = candidates.fused
+    if rule != "none" and float(scores.max()) < below:
+        if rule == "heuristic":
+            scores = prefix_merge(candidates.keys, scores, candidates.drafter_top)
+        else:
+            scores = geometric_mean(candidates.member_probs, candidates.weights)
+    total = float(scores.sum())
+    return scores / total if total > 0 else torch.full_like(scores, 1.0 / len(scores))
