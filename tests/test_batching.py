@@ -112,7 +112,8 @@ def test_prompt_lookup_guesses_only_while_few_requests_decode(method: str, llama
 
 
 def test_guesses_now_counts_the_requests_decoding_together() -> None:
-    from ensemble_core.decoding.lookup import check_lookup_max_requests, guesses_now
+    from ensemble_core.decoding.lookup import guesses_now
+    from ensemble_core.options import PromptLookupOptions
     from ensemble_core.decoding.scheduler import Binding, bound, concurrent_requests
 
     assert concurrent_requests() == 1 and guesses_now(4, 1) == 4  # unbatched: alone
@@ -127,7 +128,7 @@ def test_guesses_now_counts_the_requests_decoding_together() -> None:
         assert guesses_now(4, 1) == 4
     for bad in (0, True, 1.5):
         with pytest.raises(InvalidOptionError, match="prompt_lookup_max_requests"):
-            check_lookup_max_requests(bad)
+            PromptLookupOptions(prompt_lookup_max_requests=bad)
 
 
 def test_rows_finish_early_stop_per_row_and_are_unaffected(llama: Member, gemma: Member) -> None:

@@ -28,11 +28,11 @@ from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import MemberStats, RequestStats
 from ensemble_core.ensemble import Ensemble, resolve_members
 from ensemble_core.errors import ConfigurationError, EnsembleError, InvalidOptionError
-from ensemble_core.methods import method_class
+from ensemble_core.methods import METHODS, config_fields, method_class
 from ensemble_core.models.loading import per_member_options
 from ensemble_core.text.alignment import decode
 
-ALL_METHODS = ("single", "every-token", "safe", "specem", "generate-then-select")
+ALL_METHODS = tuple(METHODS)
 
 
 # ============================================================================ options
@@ -214,16 +214,12 @@ class EnsembleRunner:
                          finish_reason=r.finish_reason, stats=jsonable(r.stats))
 
 
-def _config_fields(method: str) -> set[str]:
-    return {f.name for f in dataclasses.fields(method_class(method).config_class)}
-
-
 def method_overrides(method: str, method_config: Mapping[str, Mapping[str, Any]],
                      stop: Sequence[str] = ()) -> dict[str, Any]:
     """Config overrides for ``method`` from ``--set`` entries (``{"*": {...}, "safe": {...}}``):
     the ``*`` ones where ``method``'s config has the field, then the method's own; ``stop``
     when given."""
-    fields = _config_fields(method)
+    fields = config_fields(method)
     chosen = {k: v for k, v in method_config.get("*", {}).items() if k in fields}
     chosen.update(method_config.get(method, {}))
     if stop:
@@ -240,7 +236,7 @@ def check_method_config(method_config: Mapping[str, Mapping[str, Any]], methods:
             known: set[str] = set()
             for m in methods:
                 try:
-                    known |= _config_fields(m)
+                    known |= config_fields(m)
                 except ConfigurationError:
                     continue
             unknown = sorted(set(values) - known)

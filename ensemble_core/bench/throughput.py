@@ -54,6 +54,7 @@ from ensemble_core.errors import EnsembleError, InvalidOptionError
 from ensemble_core.methods import METHODS, method_class
 from ensemble_core.models.loading import MemberSpec, per_member_options
 from ensemble_core.models.products import is_prepacked
+from ensemble_core.options import check_int, is_int
 
 THROUGHPUT_METHODS = ("single", "safe", "specem")
 
@@ -102,14 +103,12 @@ class ThroughputOptions:
 
     def __post_init__(self) -> None:
         self.methods, self.concurrency = tuple(self.methods), tuple(sorted(set(self.concurrency)))
-        if not self.concurrency or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.concurrency):
+        if not self.concurrency or not all(is_int(c) and c >= 1 for c in self.concurrency):
             raise InvalidOptionError("concurrency", list(self.concurrency), "integers >= 1")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InvalidOptionError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
         if not self.methods:
             raise InvalidOptionError("methods", [], "at least one method")
-        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
-            raise InvalidOptionError("repeats", self.repeats, "an integer >= 1")
+        check_int("repeats", self.repeats, 1)
         self.method_config = {key: dict(values) for key, values in (self.method_config or {}).items()}
         check_method_config(self.method_config, self.methods, tuple(METHODS))
         for method in self.methods:  # a bad value fails here, before any member loads

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from ensemble_core.constraints.repetition import JSON_WHITESPACE
-from ensemble_core.errors import InvalidOptionError
+from ensemble_core.options import check_int
 
 #: Bytes that close a JSON array or object (outside a string); a quote closes a string.
 STRUCTURE_CLOSERS = b"]}"
@@ -49,11 +49,9 @@ TOKENS_PER_STEP = 3
 
 def check_margin(margin: object) -> int | None:
     """``close_margin`` as given, or a typed error (None: automatic; an integer >= 0; 0 turns it off)."""
-    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int) or margin < 0):
-        raise InvalidOptionError("close_margin", margin, "None (a quarter of the budget, at least 24 tokens) or an "
-                                 "integer >= 0 (tokens before the budget's end where constrained output is pushed "
-                                 "to close; 0 turns it off)")
-    return margin
+    return check_int("close_margin", margin, 0, optional=True, expected=(
+        "None (a quarter of the budget, at least 24 tokens) or an integer >= 0 (tokens before the budget's end "
+        "where constrained output is pushed to close; 0 turns it off)"))
 
 
 def resolve_margin(margin: int | None, max_new_tokens: int) -> int:

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ensemble_core.errors import InvalidOptionError
+from ensemble_core.options import check_int, check_number
 
 #: Bytes the rule does not see: JSON whitespace between tokens is the model's choice, and a
 #: member pushed off a repeat must not escape it by changing the indentation (seen on the
@@ -74,14 +75,10 @@ class LoopPenalty:
     window: int = 256
 
     def __post_init__(self) -> None:
-        if isinstance(self.multiplier, bool) or not isinstance(self.multiplier, (int, float)) or self.multiplier < 0:
-            raise InvalidOptionError("loop_penalty", self.multiplier, "a number >= 0 (0 turns the loop penalty off)")
-        if isinstance(self.base, bool) or not isinstance(self.base, (int, float)) or self.base < 1:
-            raise InvalidOptionError("LoopPenalty.base", self.base, "a number >= 1")
+        check_number("loop_penalty", self.multiplier, 0, expected="a number >= 0 (0 turns the loop penalty off)")
+        check_number("LoopPenalty.base", self.base, 1)
         for name in ("allowed", "bytes_per_step", "max_period", "window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidOptionError(f"LoopPenalty.{name}", value, "an integer >= 1")
+            check_int(f"LoopPenalty.{name}", getattr(self, name), 1)
         if self.window < 2 * self.max_period:
             raise InvalidOptionError("LoopPenalty.window", self.window, f"at least 2 * max_period ({2 * self.max_period})")
 

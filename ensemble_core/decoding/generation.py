@@ -34,19 +34,12 @@ from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.scheduler import Batcher, BatchingConfig, Binding, bound
 from ensemble_core.decoding.stats import RequestStats
 from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
+from ensemble_core.options import check_bool, check_int, check_number, next_post_init
 from ensemble_core.text.alignment import REPLACEMENT_CHAR
 from ensemble_core.text.chat import Prompt
 from ensemble_core.text.distributions import member_table
 
 FINISH_REASONS = ("stop", "length", "eos", "cancelled")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
 
 
 @dataclass(frozen=True)
@@ -91,24 +84,20 @@ class GenerationConfig:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidOptionError("stop", self.stop, "a string or a list of non-empty strings")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise InvalidOptionError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        if not isinstance(self.do_sample, bool):
-            raise InvalidOptionError("do_sample", self.do_sample, "True or False")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise InvalidOptionError("temperature", self.temperature, "a number >= 0 (0 decodes greedily)")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_bool("do_sample", self.do_sample)
+        check_number("temperature", self.temperature, 0, expected="a number >= 0 (0 decodes greedily)")
         if self.temperature == 0:
             object.__setattr__(self, "do_sample", False)
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidOptionError("top_p", self.top_p, "a number in (0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidOptionError("seed", self.seed, "an integer or None")
+        check_number("top_p", self.top_p, 0, 1, above=True)
+        check_int("seed", self.seed, optional=True, expected="an integer or None")
         request = structured_request(self.tools, self.tool_choice, self.response_format)
         if self.tools is not None:
             object.__setattr__(self, "tools", tuple(self.tools))
         object.__setattr__(self, "_structured", request)
         object.__setattr__(self, "_loops", LoopPenalty(multiplier=self.loop_penalty))  # validates loop_penalty
         check_margin(self.close_margin)
+        next_post_init(GenerationConfig, self)  # the option groups a method config adds (ensemble_core.options)
 
     @property
     def structured(self) -> StructuredRequest:

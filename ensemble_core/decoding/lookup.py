@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ensemble_core.decoding.scheduler import concurrent_requests
-from ensemble_core.errors import InvalidOptionError
 
 #: Longest n-gram matched (then shorter ones): 3 tokens pin a phrase, 1 still finds a number.
 MAX_NGRAM = 3
@@ -40,19 +39,6 @@ def propose(history: Sequence[int], count: int, max_ngram: int = MAX_NGRAM) -> l
             if ids[start:start + n] == tail:
                 return ids[start + n:start + n + count]
     return []
-
-
-def check_prompt_lookup(value: object) -> None:
-    """The ``prompt_lookup`` option of the drafting methods (SAFE, SpecEM, generate-then-select)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidOptionError("prompt_lookup", value, "an integer >= 0 (0: one token per pass)")
-
-
-def check_lookup_max_requests(value: object) -> None:
-    """The ``prompt_lookup_max_requests`` option (see :func:`guesses_now`)."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise InvalidOptionError("prompt_lookup_max_requests", value,
-                                 "an integer >= 1, or None to guess at any number of concurrent requests")
 
 
 def guesses_now(prompt_lookup: int, max_requests: int | None) -> int:

@@ -38,6 +38,7 @@ import torch
 from ensemble_core.decoding.forward import Job, batched_forward, plan_groups
 from ensemble_core.decoding.slab import Slab
 from ensemble_core.errors import InvalidOptionError
+from ensemble_core.options import check_bool, check_int, check_number
 
 
 @dataclass(frozen=True)
@@ -68,20 +69,12 @@ class BatchingConfig:
     max_pad_tokens: int | None = 64
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise InvalidOptionError("batching.enabled", self.enabled, "True or False")
-        rows = self.max_batch_rows
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-            raise InvalidOptionError("batching.max_batch_rows", rows, "an integer >= 1")
-        wait = self.max_wait_ms
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 10_000:
-            raise InvalidOptionError("batching.max_wait_ms", wait, "a number of milliseconds in [0, 10000]")
-        ratio = self.max_pad_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 1:
-            raise InvalidOptionError("batching.max_pad_ratio", ratio, "a number >= 1")
-        pad = self.max_pad_tokens
-        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
-            raise InvalidOptionError("batching.max_pad_tokens", pad, "an integer >= 0, or None for no limit")
+        check_bool("batching.enabled", self.enabled)
+        check_int("batching.max_batch_rows", self.max_batch_rows, 1)
+        check_number("batching.max_wait_ms", self.max_wait_ms, 0, 10_000, expected="a number of milliseconds in [0, 10000]")
+        check_number("batching.max_pad_ratio", self.max_pad_ratio, 1)
+        check_int("batching.max_pad_tokens", self.max_pad_tokens, 0, optional=True,
+                  expected="an integer >= 0, or None for no limit")
 
 
 def batching_config(value: Any) -> BatchingConfig:

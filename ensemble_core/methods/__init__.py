@@ -8,6 +8,7 @@ method lists from here. Modules are imported only when their method is asked for
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import TYPE_CHECKING
 
@@ -19,8 +20,8 @@ if TYPE_CHECKING:
 #: method name → "module:Class". Imported lazily so a method's module loads only when used.
 METHODS: dict[str, str] = {
     "single": "ensemble_core.methods.single:SingleModel",
-    "safe": "ensemble_core.methods.safe:SafeEnsemble",
     "every-token": "ensemble_core.methods.every_token:EveryTokenEnsemble",
+    "safe": "ensemble_core.methods.safe:SafeEnsemble",
     "specem": "ensemble_core.methods.specem:SpecEMEnsemble",
     "generate-then-select": "ensemble_core.methods.generate_then_select:GenerateThenSelect",
 }
@@ -35,3 +36,8 @@ def method_class(name: str) -> type[EnsembleMethod]:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigurationError(f"The method {name!r} is not available in this installation: {exc}") from exc
+
+
+def config_fields(name: str) -> frozenset[str]:
+    """The option names of method ``name``'s config (its dataclass fields; raises for unknown methods)."""
+    return frozenset(f.name for f in dataclasses.fields(method_class(name).config_class))

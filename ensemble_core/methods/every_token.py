@@ -15,13 +15,12 @@ from ensemble_core.decoding.generation import Chunk, EnsembleMethod, GenerationC
 from ensemble_core.decoding.rows import next_row
 from ensemble_core.decoding.stats import MemberStats, TokenLevelStats
 from ensemble_core.decoding.view import MemberView, start_views
-from ensemble_core.errors import InvalidOptionError
+from ensemble_core.options import FusionOptions, check_int
 from ensemble_core.text.alignment import DEFAULT_MARGIN
 from ensemble_core.text.chat import Prompt
 from ensemble_core.text.distributions import (
     Distribution,
     EndOfText,
-    check_fusion_options,
     fusion_weights,
     make_distribution,
     sharpen,
@@ -29,24 +28,16 @@ from ensemble_core.text.distributions import (
 
 
 @dataclass(frozen=True)
-class EveryTokenConfig(GenerationConfig):
-    """Every-token ensembling options: the fusion rule (``"unite"`` or ``"gac"``), its
-    ``top_k``, ``sharpening`` (``"none"`` by default: the published baselines do not
-    sharpen), the ``margin`` of tokens re-encoded behind the end of the text and
-    per-member ``fusion_weights`` (None: uniform; see :class:`~ensemble_core.methods.safe.SafeConfig`)."""
+class EveryTokenConfig(GenerationConfig, FusionOptions):
+    """Every-token ensembling options: the fusion (:class:`~ensemble_core.options.FusionOptions`;
+    ``sharpening`` ``"none"`` by default: the published baselines do not sharpen) and the
+    ``margin`` of tokens re-encoded behind the end of the text."""
 
-    distribution: str = "unite"
-    top_k: int = 10
-    sharpening: str = "none"
     margin: int = DEFAULT_MARGIN
-    fusion_weights: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "fusion_weights", check_fusion_options(
-            self.distribution, self.top_k, self.sharpening, self.fusion_weights))
-        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
-            raise InvalidOptionError("margin", self.margin, "an integer >= 0")
+        check_int("margin", self.margin, 0)
 
 
 @dataclass

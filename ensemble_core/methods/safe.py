@@ -60,12 +60,13 @@ import torch
 
 from ensemble_core.decoding.drafting import draft_tokens
 from ensemble_core.decoding.generation import Chunk, EnsembleMethod, GenerationConfig
-from ensemble_core.decoding.lookup import check_lookup_max_requests, check_prompt_lookup, guesses_now
+from ensemble_core.decoding.lookup import guesses_now
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.rows import window_probs
 from ensemble_core.decoding.stats import MemberStats, SafeStats
 from ensemble_core.decoding.view import MemberView, start_views
 from ensemble_core.errors import InvalidOptionError
+from ensemble_core.options import FusionOptions, PromptLookupOptions, check_int, check_number
 from ensemble_core.text.alignment import (
     DECODE_CONTEXT,
     DEFAULT_MARGIN,
@@ -77,7 +78,6 @@ from ensemble_core.text.chat import Prompt
 from ensemble_core.text.distributions import (
     Distribution,
     EndOfText,
-    check_fusion_options,
     fusion_weights,
     make_distribution,
     member_table,
@@ -88,25 +88,19 @@ from ensemble_core.text.distributions import (
 GAC_DRAFTER_CONFIDENT = 0.5
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise InvalidOptionError(name, value, f"an integer >= {minimum}")
-
-
 @dataclass(frozen=True)
-class SafeConfig(GenerationConfig):
+class SafeConfig(GenerationConfig, FusionOptions, PromptLookupOptions):
     """SAFE options (defaults of the published code).
 
     ``drafter``: index of the drafting member. ``lookahead``: tokens drafted per round
-    (n). ``distribution``: ``"unite"`` (top-k union) or ``"gac"`` (union vocabulary).
-    ``top_k``: k of UniTE, and of the drafter's candidates that prefix merge may lift.
-    ``consensus_threshold``: skip a point when the members' average probability of the
+    (n). ``consensus_threshold``: skip a point when the members' average probability of the
     drafted continuation is at least this (0 never ensembles except to finish a broken
-    character; 1 ensembles wherever a verifier disagrees). ``sharpening``: ``"heuristic"``
-    (prefix merge), ``"geometric"`` or ``"none"``. ``margin``: verifier tokens re-encoded
-    behind the committed boundary. ``fusion_weights``: per-member weights of the fused
-    distribution and of the consensus average (None: uniform, as published; a list in member
-    order or a ``{name: weight}`` mapping, see :func:`~ensemble_core.text.distributions.fusion_weights`).
+    character; 1 ensembles wherever a verifier disagrees). ``margin``: verifier tokens
+    re-encoded behind the committed boundary. The fusion at a point (``distribution``,
+    ``top_k``, ``sharpening``, default ``"heuristic"`` here, and ``fusion_weights``, which also
+    weigh the consensus average) is :class:`~ensemble_core.options.FusionOptions`; the
+    drafter's prompt lookup (``prompt_lookup``, ``prompt_lookup_max_requests``) is
+    :class:`~ensemble_core.options.PromptLookupOptions`.
     ``draft_confidence``: end a draft early, after a token the drafter gives less than this
     probability (0: always ``lookahead`` tokens, as published); what transformers' assisted
     generation calls ``assistant_confidence_threshold``. Such a token is where the members
@@ -114,41 +108,23 @@ class SafeConfig(GenerationConfig):
     where a verify pass is cheap next to the drafting it saves: 0.5 made SmolLM2 drafting for
     Qwen2.5-0.5B 10-12 % faster per token on a CPU, and gained nothing for SmolLM2 drafting
     for Gemma-3-270m (docs/benchmarks.md, "Early-ending drafts"), hence not the default.
-    ``prompt_lookup``: the drafter also feeds up to this many tokens guessed from its own
-    context (:mod:`~ensemble_core.decoding.lookup`; transformers' ``prompt_lookup_num_tokens``) in
-    each pass and keeps those it chooses anyway: the same draft in fewer drafter passes
-    (0: one token per pass, as published). ``prompt_lookup_max_requests``: guess only while at
-    most this many requests decode together (None: always); guesses cost compute in a batched
-    pass, where the 8-request throughput fell with them (see :func:`~ensemble_core.decoding.lookup.guesses_now`).
     """
 
     drafter: int = 0
     lookahead: int = 5
-    distribution: str = "unite"
-    top_k: int = 10
     consensus_threshold: float = 0.5
     sharpening: str = "heuristic"
     margin: int = DEFAULT_MARGIN
-    fusion_weights: Any = None
     draft_confidence: float = 0.0
-    prompt_lookup: int = 0
-    prompt_lookup_max_requests: int | None = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_int("drafter", self.drafter, 0)
-        check_prompt_lookup(self.prompt_lookup)
-        check_lookup_max_requests(self.prompt_lookup_max_requests)
-        c = self.draft_confidence
-        if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0.0 <= c < 1.0:
-            raise InvalidOptionError("draft_confidence", c, "a number in [0, 1) (0: drafts of lookahead tokens)")
-        _check_int("lookahead", self.lookahead, 1)
-        _check_int("margin", self.margin, 0)
-        object.__setattr__(self, "fusion_weights", check_fusion_options(
-            self.distribution, self.top_k, self.sharpening, self.fusion_weights))
-        t = self.consensus_threshold
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 <= t <= 1.0:
-            raise InvalidOptionError("consensus_threshold", t, "a number in [0, 1]")
+        check_int("drafter", self.drafter, 0)
+        check_number("draft_confidence", self.draft_confidence, 0, 1, below=True,
+                     expected="a number in [0, 1) (0: drafts of lookahead tokens)")
+        check_int("lookahead", self.lookahead, 1)
+        check_int("margin", self.margin, 0)
+        check_number("consensus_threshold", self.consensus_threshold, 0, 1)
 
 
 @dataclass

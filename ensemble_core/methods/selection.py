@@ -29,7 +29,6 @@ import torch
 
 from ensemble_core.decoding.drafting import DraftScores, draft_segment
 from ensemble_core.decoding.generation import GenerationConfig
-from ensemble_core.decoding.lookup import check_lookup_max_requests, check_prompt_lookup
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.scheduler import member_threads
 from ensemble_core.decoding.verify_inline import (
@@ -39,6 +38,7 @@ from ensemble_core.decoding.verify_inline import (
 )
 from ensemble_core.decoding.view import MemberView
 from ensemble_core.errors import ConfigurationError, InvalidOptionError
+from ensemble_core.options import PromptLookupOptions, check_bool, check_choice, is_int
 from ensemble_core.text import alignment
 from ensemble_core.text.alignment import REPLACEMENT_CHAR, Tokenized
 
@@ -51,14 +51,14 @@ def _check_members_spec(name: str, value: Any) -> tuple[int | str, ...] | None:
     if value is None:
         return None
     items = (value,) if isinstance(value, (int, str)) else tuple(value)
-    ok = all((isinstance(v, int) and not isinstance(v, bool) and v >= 0) or (isinstance(v, str) and v) for v in items)
+    ok = all((is_int(v) and v >= 0) or (isinstance(v, str) and v) for v in items)
     if not items or not ok or len(set(items)) != len(items):
         raise InvalidOptionError(name, value, "None (all members) or a non-empty list of distinct member indices or names")
     return items
 
 
 @dataclass(frozen=True)
-class SelectionConfig(GenerationConfig):
+class SelectionConfig(GenerationConfig, PromptLookupOptions):
     """How candidates are drafted and cross-scored (shared by SpecEM and generate-then-select).
 
     ``scoring``: ``"logprob"`` (mean token log-probability; comparable across verifiers
@@ -67,12 +67,9 @@ class SelectionConfig(GenerationConfig):
     ``"softmax"`` (default; positive, sums to 1, order-preserving), ``"minmax"`` or
     ``"none"``. ``drafters`` / ``verifiers``: member indices or names (None: all members).
     ``parallel``: run members in threads (None: automatic, see :func:`use_threads`: when
-    they sit on different devices, or on a multi-core CPU). ``prompt_lookup``: each drafter
-    also feeds up to this many tokens guessed from its own context per pass
-    (:mod:`~ensemble_core.decoding.lookup`) and keeps those it chooses anyway: the same candidates in
-    fewer passes (0: one token per pass). ``prompt_lookup_max_requests``: guess only while at
-    most this many requests decode together (None: always; see
-    :func:`~ensemble_core.decoding.lookup.guesses_now`).
+    they sit on different devices, or on a multi-core CPU). Each drafter's prompt lookup
+    (``prompt_lookup``, ``prompt_lookup_max_requests``) is
+    :class:`~ensemble_core.options.PromptLookupOptions`: the same candidates in fewer passes.
     """
 
     scoring: str = "logprob"
@@ -80,21 +77,14 @@ class SelectionConfig(GenerationConfig):
     drafters: tuple[int | str, ...] | None = None
     verifiers: tuple[int | str, ...] | None = None
     parallel: bool | None = None
-    prompt_lookup: int = 0
-    prompt_lookup_max_requests: int | None = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_prompt_lookup(self.prompt_lookup)
-        check_lookup_max_requests(self.prompt_lookup_max_requests)
-        if self.scoring not in SCORING_KINDS:
-            raise InvalidOptionError("scoring", self.scoring, "one of " + ", ".join(SCORING_KINDS))
-        if self.normalization not in NORMALIZATIONS:
-            raise InvalidOptionError("normalization", self.normalization, "one of " + ", ".join(NORMALIZATIONS))
+        check_choice("scoring", self.scoring, SCORING_KINDS)
+        check_choice("normalization", self.normalization, NORMALIZATIONS)
         object.__setattr__(self, "drafters", _check_members_spec("drafters", self.drafters))
         object.__setattr__(self, "verifiers", _check_members_spec("verifiers", self.verifiers))
-        if self.parallel is not None and not isinstance(self.parallel, bool):
-            raise InvalidOptionError("parallel", self.parallel, "True, False or None (automatic)")
+        check_bool("parallel", self.parallel, "True, False or None (automatic)", optional=True)
 
 
 # ----------------------------------------------------------------------------- pure pieces

@@ -54,7 +54,6 @@ from ensemble_core.decoding.lookup import guesses_now
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import MemberStats, SpecEMStats, roles
 from ensemble_core.decoding.view import MemberView, start_views
-from ensemble_core.errors import InvalidOptionError
 from ensemble_core.methods.selection import (
     Candidate,
     SelectionConfig,
@@ -67,6 +66,7 @@ from ensemble_core.methods.selection import (
     use_threads,
     verify,
 )
+from ensemble_core.options import check_bool, check_choice, check_int, check_number
 from ensemble_core.text.chat import Prompt
 
 ETA_DECAYS = ("inverse", "constant")
@@ -93,16 +93,11 @@ class SpecEMConfig(SelectionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.segment_length, int) or isinstance(self.segment_length, bool) or self.segment_length < 1:
-            raise InvalidOptionError("segment_length", self.segment_length, "an integer >= 1 (published default 10)")
-        if not isinstance(self.hedge, bool):
-            raise InvalidOptionError("hedge", self.hedge, "True or False")
-        if isinstance(self.eta, bool) or not isinstance(self.eta, (int, float)) or not 0 < self.eta < math.inf:
-            raise InvalidOptionError("eta", self.eta, "a finite number > 0")
-        if self.eta_decay not in ETA_DECAYS:
-            raise InvalidOptionError("eta_decay", self.eta_decay, "one of " + ", ".join(ETA_DECAYS))
-        if self.reward not in REWARDS:
-            raise InvalidOptionError("reward", self.reward, "one of " + ", ".join(REWARDS))
+        check_int("segment_length", self.segment_length, 1, expected="an integer >= 1 (published default 10)")
+        check_bool("hedge", self.hedge)
+        check_number("eta", self.eta, 0, above=True, finite=True, expected="a finite number > 0")
+        check_choice("eta_decay", self.eta_decay, ETA_DECAYS)
+        check_choice("reward", self.reward, REWARDS)
 
 
 # ----------------------------------------------------------------------------- Hedge

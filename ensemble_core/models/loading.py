@@ -33,6 +33,7 @@ from ensemble_core.errors import (
 from ensemble_core.models.bundled import BUNDLED, convert_gguf
 from ensemble_core.models.products import available_memory, should_prepack, use_cpu_products
 from ensemble_core.models.quantize import check_scheme, quantize
+from ensemble_core.options import check_bool
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -80,8 +81,7 @@ class MemberSpec:
             except (RuntimeError, TypeError) as exc:
                 raise InvalidOptionError("device", self.device, "a torch device string such as 'cpu' or 'cuda:0'") from exc
         check_scheme(self.quantize, _resolve_dtype(self.dtype, self.device), self.device, self.device_map)
-        if self.prepack is not None and not isinstance(self.prepack, bool):
-            raise InvalidOptionError("prepack", self.prepack, "None (when it fits in memory), True or False")
+        check_bool("prepack", self.prepack, "None (when it fits in memory), True or False", optional=True)
 
 
 def per_member_options(count: int, dtype: Any = "auto", devices: Sequence[str] = (),

@@ -16,21 +16,13 @@ from typing import Any
 
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.models.loading import MemberSpec
+from ensemble_core.options import check_bool, check_int, check_number
 
 #: Object store of a local Ray started here: members exchange a few KiB per round, and
 #: only whole rows of logits (<= 1 MiB each) ever reach the store.
 DEFAULT_OBJECT_STORE_BYTES = 96 * 2**20
 #: Ray refuses object stores below 75 MiB.
 MIN_OBJECT_STORE_BYTES = 75 * 2**20
-
-
-def _check_number(name: str, value: Any, minimum: float, allow_none: bool = False, integer: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= minimum
-    if not ok or (integer and not isinstance(value, int)):
-        kind = "an integer" if integer else "a number"
-        raise InvalidOptionError(name, value, f"{kind} >= {minimum}" + (" or None" if allow_none else ""))
 
 
 def resource_items(name: str, value: Any) -> tuple[tuple[str, float], ...]:
@@ -82,16 +74,15 @@ class RayOptions:
     def __post_init__(self) -> None:
         if self.address is not None and (not isinstance(self.address, str) or not self.address.strip()):
             raise InvalidOptionError("address", self.address, "None (local Ray), 'auto' or 'ray://host:port'")
-        _check_number("object_store_memory", self.object_store_memory, MIN_OBJECT_STORE_BYTES, integer=True)
-        _check_number("call_timeout_s", self.call_timeout_s, 0.001)
-        _check_number("start_timeout_s", self.start_timeout_s, 0.001)
-        _check_number("max_restarts", self.max_restarts, 0, integer=True)
-        _check_number("num_cpus", self.num_cpus, 0)
-        _check_number("num_gpus", self.num_gpus, 0)
-        _check_number("torch_threads", self.torch_threads, 1, allow_none=True, integer=True)
+        check_int("object_store_memory", self.object_store_memory, MIN_OBJECT_STORE_BYTES)
+        check_number("call_timeout_s", self.call_timeout_s, 0.001, finite=True)
+        check_number("start_timeout_s", self.start_timeout_s, 0.001, finite=True)
+        check_int("max_restarts", self.max_restarts, 0)
+        check_number("num_cpus", self.num_cpus, 0, finite=True)
+        check_number("num_gpus", self.num_gpus, 0, finite=True)
+        check_int("torch_threads", self.torch_threads, 1, optional=True, expected="an integer >= 1 or None")
         object.__setattr__(self, "resources", resource_items("resources", self.resources))
-        if not isinstance(self.count_bytes, bool):
-            raise InvalidOptionError("count_bytes", self.count_bytes, "True or False")
+        check_bool("count_bytes", self.count_bytes)
 
     @classmethod
     def of(cls, value: RayOptions | Mapping[str, Any] | None) -> RayOptions:
@@ -128,9 +119,9 @@ class RayMemberSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.member, (str, MemberSpec)) and not hasattr(self.member, "__fspath__"):
             raise InvalidOptionError("member", self.member, "an alias, a path, a hub id or a MemberSpec")
-        _check_number("num_cpus", self.num_cpus, 0, allow_none=True)
-        _check_number("num_gpus", self.num_gpus, 0, allow_none=True)
-        _check_number("max_restarts", self.max_restarts, 0, allow_none=True, integer=True)
+        check_number("num_cpus", self.num_cpus, 0, finite=True, optional=True, expected="a number >= 0 or None")
+        check_number("num_gpus", self.num_gpus, 0, finite=True, optional=True, expected="a number >= 0 or None")
+        check_int("max_restarts", self.max_restarts, 0, optional=True, expected="an integer >= 0 or None")
         if self.resources is not None:
             object.__setattr__(self, "resources", resource_items("resources", self.resources))
         if self.node_id is not None and (not isinstance(self.node_id, str) or not self.node_id):

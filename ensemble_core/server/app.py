@@ -198,7 +198,7 @@ def options(request: SamplingFields, engine: Engine, max_tokens: int | None) -> 
                        param=f"ensemble.{unknown[0]}", code="unknown_parameter")
     standard = {"temperature": request.temperature, "max_tokens": max_tokens, "top_p": request.top_p,
                 "seed": request.seed, "stop": request.stop}
-    return call_overrides({**standard, **extension}, engine.fields, "the server")
+    return call_overrides({**standard, **extension}, engine.ensemble.config, "the server")
 
 
 def plan_chat(request: ChatCompletionRequest, engine: Engine, model: str) -> Plan:

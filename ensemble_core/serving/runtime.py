@@ -40,11 +40,13 @@ from collections.abc import AsyncIterator, Hashable, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
-from ensemble_core.decoding.generation import GenerationResult
+from ensemble_core.decoding.generation import GenerationConfig, GenerationResult
 from ensemble_core.decoding.members import Member
 from ensemble_core.ensemble import Ensemble
 from ensemble_core.errors import ConfigurationError, GenerationCancelled, GenerationTimeout, InvalidOptionError
+from ensemble_core.methods import config_fields as config_fields_of
 from ensemble_core.models.loading import MemberSpec
+from ensemble_core.options import is_number
 from ensemble_core.text.chat import Prompt
 
 #: How many distinct ensembles stay cached (weights are cached separately by the members).
@@ -88,42 +90,54 @@ def merge_options(instance: Mapping[str, Any], call: Mapping[str, Any]) -> dict[
     return merged
 
 
-def call_overrides(options: Mapping[str, Any], config_fields: frozenset[str] | set[str], owner: str) -> dict[str, Any]:
+def call_overrides(options: Mapping[str, Any], config: GenerationConfig, owner: str,
+                   exclude: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
     """Standard parameters and method options → core config overrides (see the module docstring).
 
-    ``config_fields`` are the method config's field names; ``owner`` names the caller in
-    error messages (``"ChatEnsemble"``, ``"EnsembleLLM"``, ...).
+    This only *renames* (``max_tokens`` → ``max_new_tokens``, ``temperature`` → ``do_sample`` +
+    ``temperature``, a ``stop`` string → a tuple); the values are checked by the method's
+    config itself (``config.replace``, i.e. :class:`~ensemble_core.decoding.generation.GenerationConfig`
+    and the option groups), here and now rather than when the run starts, and an error names
+    the option as the caller wrote it (``max_tokens``, not ``max_new_tokens``). ``config`` is
+    the ensemble's method config; ``exclude`` are its fields a caller may not set (LlamaIndex
+    sets ``do_sample`` only through ``temperature``); ``owner`` names the caller in error
+    messages (``"ChatEnsemble"``, ``"EnsembleLLM"``, ...).
     """
     opts = {k: v for k, v in options.items() if v is not None}
+    fields = frozenset(f.name for f in dataclasses.fields(config)) - set(exclude)
     out: dict[str, Any] = {}
+    written: dict[str, str] = {}  # core name -> the name the caller used
     if "max_tokens" in opts and "max_new_tokens" in opts and opts["max_tokens"] != opts["max_new_tokens"]:
         raise ConfigurationError(f"{owner}: max_tokens={opts['max_tokens']!r} and max_new_tokens="
                                  f"{opts['max_new_tokens']!r} name one option; pass one of them.")
-    name = "max_new_tokens" if "max_new_tokens" in opts else "max_tokens"
-    max_new = opts.pop("max_new_tokens", opts.pop("max_tokens", None))
-    opts.pop("max_tokens", None)
-    if max_new is not None:
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-            raise InvalidOptionError(name, max_new, "an integer >= 1")
-        out["max_new_tokens"] = max_new
+    if "max_new_tokens" in opts or "max_tokens" in opts:
+        written["max_new_tokens"] = "max_new_tokens" if "max_new_tokens" in opts else "max_tokens"
+        out["max_new_tokens"] = opts.pop("max_new_tokens", opts.pop("max_tokens", None))
+        opts.pop("max_tokens", None)
     if "temperature" in opts:
         temperature = opts.pop("temperature")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-            raise InvalidOptionError("temperature", temperature, "a number >= 0 (0 decodes greedily)")
-        out.update(do_sample=False) if temperature == 0 else out.update(do_sample=True, temperature=float(temperature))
+        if is_number(temperature) and temperature == 0:
+            out["do_sample"] = False  # 0 decodes greedily
+        else:
+            out.update(do_sample=True, temperature=temperature)
     if "stop" in opts:
         stop = opts.pop("stop")
         stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops):
-            raise InvalidOptionError("stop", stop, "a string or a list of non-empty strings")
-        out["stop"] = tuple(dict.fromkeys(stops))
-    unknown = sorted(set(opts) - set(config_fields))
+        out["stop"] = tuple(dict.fromkeys(stops)) if isinstance(stops, (list, tuple)) and all(
+            isinstance(x, str) for x in stops) else stop
+    unknown = sorted(set(opts) - fields)
     if unknown:
         raise ConfigurationError(
             f"Unknown option(s) {', '.join(unknown)} for {owner}. Accepted: "
-            f"{', '.join(STANDARD_OPTIONS)} and the method's config fields ({', '.join(sorted(config_fields))})."
+            f"{', '.join(STANDARD_OPTIONS)} and the method's config fields ({', '.join(sorted(fields))})."
         )
     out.update(opts)
+    try:
+        config.replace(**out)
+    except InvalidOptionError as exc:
+        if exc.option in written and written[exc.option] != exc.option:
+            raise InvalidOptionError(written[exc.option], exc.value, exc.expected) from exc
+        raise
     return out
 
 
@@ -141,9 +155,7 @@ def collect_method_options(data: Mapping[str, Any], known: set[str] | frozenset[
         return dict(data)
     if not isinstance(method, str):
         raise InvalidOptionError("method", method, "a method name such as 'safe'")
-    from ensemble_core.methods import method_class
-
-    fields = {f.name for f in dataclasses.fields(method_class(method).config_class)} - set(reserved)
+    fields = config_fields_of(method) - set(reserved)
     unknown = sorted(set(extra) - fields)
     if unknown:
         raise ConfigurationError(

@@ -37,11 +37,10 @@ into a weighted one, the geometric mean likewise.
 from __future__ import annotations
 
 import gc
-import math
 import re
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -50,6 +49,7 @@ from typing import Any, ClassVar, Union
 import torch
 
 from ensemble_core.errors import InvalidOptionError
+from ensemble_core.options import FUSION_RULES, SHARPENINGS, WEIGHTS_EXPECTED, check_choice, check_int, normalize_weight_option
 
 
 class EndOfText:
@@ -70,7 +70,6 @@ END = EndOfText()
 #: A candidate: the UTF-8 bytes of a string, or :data:`END`.
 Key = Union[bytes, EndOfText]
 
-SHARPENING = ("heuristic", "geometric", "none")
 #: Sharpening applies only when the fused distribution's maximum is below this.
 SHARPEN_BELOW = 0.5
 #: Prefix merge only lifts candidates with more fused mass than this (published value).
@@ -298,8 +297,7 @@ class Distribution(ABC):
     name: ClassVar[str] = "distribution"
 
     def __init__(self, members: Sequence[Any], top_k: int = 10) -> None:
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-            raise InvalidOptionError("top_k", top_k, "an integer >= 1")
+        check_int("top_k", top_k, 1)
         self.members = list(members)
         self.top_k = top_k
         self._tables: list[TokenTable] | None = None
@@ -528,61 +526,14 @@ class GaC(Distribution):
         return Candidates(tuple(keys), member_probs, weighted_mean(member_probs, weights), drafter_top_mask, weights)
 
 
+#: The fusion rules by name (the names are :data:`ensemble_core.options.FUSION_RULES`).
 DISTRIBUTIONS: dict[str, type[Distribution]] = {"unite": UniTE, "gac": GaC}
+assert tuple(DISTRIBUTIONS) == FUSION_RULES
 
 
 def make_distribution(name: str, members: Sequence[Any], top_k: int = 10) -> Distribution:
     """The fusion rule called ``name`` (``unite`` or ``gac``) over ``members``."""
-    if name not in DISTRIBUTIONS:
-        raise InvalidOptionError("distribution", name, "one of " + ", ".join(DISTRIBUTIONS))
-    return DISTRIBUTIONS[name](members, top_k)
-
-
-def check_fusion_options(distribution: Any, top_k: Any, sharpening: Any, weights: Any = None) -> Any:
-    """Validate the fusion options shared by the method configs (typed errors).
-
-    Returns ``weights`` in the form a frozen config keeps (:func:`normalize_weight_option`).
-    """
-    if distribution not in DISTRIBUTIONS:
-        raise InvalidOptionError("distribution", distribution, "one of " + ", ".join(DISTRIBUTIONS))
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-        raise InvalidOptionError("top_k", top_k, "an integer >= 1")
-    if sharpening not in SHARPENING:
-        raise InvalidOptionError("sharpening", sharpening, "one of " + ", ".join(SHARPENING))
-    return normalize_weight_option(weights)
-
-
-# ============================================================================ member weights
-WEIGHTS_EXPECTED = ("None, a list with one weight >= 0 per member, or a {member name: weight} mapping "
-                    "(members left out weigh 1); at least one weight > 0")
-
-
-def _weight(value: Any, option: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise InvalidOptionError("fusion_weights", option, WEIGHTS_EXPECTED)
-    return float(value)
-
-
-def normalize_weight_option(weights: Any) -> tuple[float, ...] | tuple[tuple[str, float], ...] | None:
-    """Check ``fusion_weights`` as far as possible without the members; a hashable copy.
-
-    A sequence becomes a tuple of floats, a mapping a tuple of ``(name, weight)`` pairs.
-    How many members there are and what they are called is checked by :func:`fusion_weights`.
-    """
-    if weights is None:
-        return None
-    if isinstance(weights, Mapping) or (isinstance(weights, tuple) and weights and all(
-            isinstance(w, tuple) and len(w) == 2 and isinstance(w[0], str) for w in weights)):
-        pairs = tuple(weights.items()) if isinstance(weights, Mapping) else weights
-        if not pairs or not all(isinstance(name, str) for name, _ in pairs):
-            raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
-        return tuple((name, _weight(w, weights)) for name, w in pairs)
-    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or not weights:
-        raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
-    values = tuple(_weight(w, weights) for w in weights)
-    if not any(values):
-        raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
-    return values
+    return DISTRIBUTIONS[check_choice("distribution", name, FUSION_RULES)](members, top_k)
 
 
 def fusion_weights(weights: Any, names: Sequence[str]) -> torch.Tensor | None:
@@ -654,8 +605,7 @@ def sharpen(candidates: Candidates, rule: str = "heuristic", below: float = SHAR
 
     The result is normalised to sum to 1 so that it can also be sampled from.
     """
-    if rule not in SHARPENING:
-        raise InvalidOptionError("sharpening", rule, "one of " + ", ".join(SHARPENING))
+    check_choice("sharpening", rule, SHARPENINGS)
     scores = candidates.fused
     if rule != "none" and float(scores.max()) < below:
         if rule == "heuristic":

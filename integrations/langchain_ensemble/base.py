@@ -36,7 +36,6 @@ unknown keyword args      names that are not config fields raise ConfigurationEr
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,8 +48,8 @@ from ensemble_core import (
     Ensemble,
     GenerationResult,
     InvalidOptionError,
-    method_class,
 )
+from ensemble_core.options import check_int, check_number
 from ensemble_core.serving.runtime import (
     Run,
     call_overrides,
@@ -67,11 +66,6 @@ PROVIDER = "ensemble"
 _IGNORED_CALL_KWARGS = frozenset({"stream"})
 #: Call-time keyword arguments that are not generation options.
 _CALL_ONLY = frozenset({"timeout", "model"})
-
-
-def config_fields(method: str) -> frozenset[str]:
-    """Names of the config fields of a registered method (raises for unknown methods)."""
-    return frozenset(f.name for f in dataclasses.fields(method_class(method).config_class))
 
 
 def split_model(model: str) -> list[str]:
@@ -158,8 +152,8 @@ class EnsembleFields(BaseModel):
         ensemble = self._core_ensemble()
         if self.model_name is None:
             self.model_name = "+".join(m.name for m in ensemble.members)
-        _check_number("timeout", self.timeout, minimum=0.0, strict=True)
-        _check_number("max_retries", self.max_retries, minimum=0, integer=True)
+        check_number("timeout", self.timeout, 0, above=True, optional=True, expected="a number > 0.0 (or None)")
+        check_int("max_retries", self.max_retries, 0, optional=True, expected="an integer >= 0 (or None)")
         ensemble.config.replace(**self._generation_overrides({}, None))  # validates the standard params
 
     def _core_ensemble(self) -> Ensemble:
@@ -192,7 +186,7 @@ class EnsembleFields(BaseModel):
         if stop is not None:
             call["stop"] = stop
         ensemble = ensemble or self._core_ensemble()
-        return call_overrides(merge_options(instance, call), config_fields(ensemble.method_name), type(self).__name__)
+        return call_overrides(merge_options(instance, call), ensemble.config, type(self).__name__)
 
     def _prepare(self, prompt: Prompt, stop: list[str] | None, kwargs: Mapping[str, Any]) -> tuple[Run, Ensemble, str]:
         """One core run for a call: ensemble, overrides, timeout. Unknown kwargs raise."""
@@ -200,7 +194,7 @@ class EnsembleFields(BaseModel):
         ensemble, model_name = self._ensemble_for(kwargs.get("model"))
         overrides = self._generation_overrides(dict(kwargs), stop, ensemble)
         timeout = kwargs.get("timeout", self.timeout)
-        _check_number("timeout", timeout, minimum=0.0, strict=True)
+        check_number("timeout", timeout, 0, above=True, optional=True, expected="a number > 0.0 (or None)")
         return Run(ensemble, prompt, overrides, timeout=timeout), ensemble, model_name
 
     # ------------------------------------------------------------------ tokens
@@ -261,12 +255,3 @@ def _collect_method_options(cls: type[BaseModel], data: dict[str, Any]) -> dict[
     ensemble = data.get("ensemble")
     method = ensemble.method_name if isinstance(ensemble, Ensemble) else data.get("method", DEFAULT_METHOD)
     return collect_method_options(data, known, method, cls.__name__)
-
-
-def _check_number(option: str, value: Any, minimum: float, strict: bool = False, integer: bool = False) -> None:
-    if value is None:
-        return
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type or value < minimum or (strict and value == minimum):
-        kind = "an integer" if integer else "a number"
-        raise InvalidOptionError(option, value, f"{kind} {'>' if strict else '>='} {minimum} (or None)")

@@ -42,7 +42,6 @@ from ensemble_core.serving.runtime import (
     Run,
     call_overrides,
     collect_method_options,
-    config_fields,
     merge_options,
     shared_ensemble,
 )
@@ -178,8 +177,8 @@ class EnsembleLLM(FunctionCallingLLM):
         greedy, any other name must be a config field of the method.
         """
         fields = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "stop": self.stop}
-        allowed = config_fields(self._ensemble) - {"do_sample"}
-        overrides = call_overrides(merge_options(fields, kwargs), allowed, "EnsembleLLM")
+        overrides = call_overrides(merge_options(fields, kwargs), self._ensemble.config, "EnsembleLLM",
+                                   exclude={"do_sample"})
         overrides.setdefault("do_sample", False)
         return overrides
 

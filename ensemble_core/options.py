@@ -1,0 +1,194 @@
+"""Options: the checks every config runs, and the option groups several methods share.
+
+Every user-facing option of the library is a field of a frozen dataclass config
+(:class:`~ensemble_core.decoding.generation.GenerationConfig` and the method configs that
+extend it, :class:`~ensemble_core.decoding.scheduler.BatchingConfig`,
+:class:`~ensemble_core.models.loading.MemberSpec`, ...), checked when the config is made, so a
+wrong value fails where it was written and never half-way through a request. The checks are
+strict on purpose: ``max_new_tokens="10"`` and ``True`` (a bool is an int in Python) are
+refused, not converted, with an :class:`~ensemble_core.errors.InvalidOptionError` that names
+the option, the value and what is expected.
+
+Option groups are dataclass mixins a method config lists among its bases; each checks its
+own fields, so a field shared by several methods is defined, documented and checked once:
+
+* :class:`FusionOptions`: how members' distributions are fused (SAFE, every-token);
+* :class:`PromptLookupOptions`: prompt-lookup drafting (SAFE, SpecEM, generate-then-select).
+
+Checks run in ``__post_init__`` along the config's class hierarchy (:func:`next_post_init`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ensemble_core.errors import InvalidOptionError
+
+
+# ----------------------------------------------------------------------------- value checks
+def is_int(value: Any) -> bool:
+    """An ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An ``int`` or ``float`` that is not a ``bool`` and not NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def check_int(option: str, value: Any, minimum: int | None = None, maximum: int | None = None,
+              expected: str | None = None, optional: bool = False) -> int | None:
+    """``value`` if it is an integer in ``[minimum, maximum]`` (None allowed when ``optional``), else a typed error."""
+    if optional and value is None:
+        return None
+    ok = is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+    if not ok:
+        raise InvalidOptionError(option, value, expected or _range("an integer", minimum, maximum))
+    return value
+
+
+def check_number(option: str, value: Any, minimum: float | None = None, maximum: float | None = None, *,
+                 above: bool = False, below: bool = False, finite: bool = False, expected: str | None = None,
+                 optional: bool = False) -> float | None:
+    """``value`` if it is a number in the range (``above`` / ``below``: open ends), else a typed error."""
+    if optional and value is None:
+        return None
+    ok = is_number(value) and not (finite and not math.isfinite(value))
+    if ok and minimum is not None:
+        ok = value > minimum if above else value >= minimum
+    if ok and maximum is not None:
+        ok = value < maximum if below else value <= maximum
+    if not ok:
+        lo = None if minimum is None else ("(" if above else "[") + f"{minimum:g}"
+        hi = None if maximum is None else f"{maximum:g}" + (")" if below else "]")
+        default = ("a number in " + f"{lo}, {hi}" if lo and hi else
+                   "a number " + (f"> {minimum:g}" if above else f">= {minimum:g}") if lo else
+                   "a number " + (f"< {maximum:g}" if below else f"<= {maximum:g}") if hi else "a number")
+        raise InvalidOptionError(option, value, expected or default)
+    return value
+
+
+def check_bool(option: str, value: Any, expected: str = "True or False", optional: bool = False) -> bool | None:
+    """``value`` if it is a ``bool`` (None allowed when ``optional``), else a typed error."""
+    if (optional and value is None) or isinstance(value, bool):
+        return value
+    raise InvalidOptionError(option, value, expected)
+
+
+def check_choice(option: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``, else a typed error listing them."""
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidOptionError(option, value, "one of " + ", ".join(choices))
+    return value
+
+
+def _range(kind: str, minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f"{kind} in [{minimum}, {maximum}]"
+    if minimum is not None:
+        return f"{kind} >= {minimum}"
+    if maximum is not None:
+        return f"{kind} <= {maximum}"
+    return kind
+
+
+def next_post_init(cls: type, obj: Any) -> None:
+    """Run the ``__post_init__`` that comes after ``cls``'s in ``obj``'s class hierarchy, if any.
+
+    Why: a config lists option groups among its bases (``class SafeConfig(GenerationConfig,
+    FusionOptions, PromptLookupOptions)``) and each checks its own fields, so every
+    ``__post_init__`` hands on to the next one, as cooperative ``super()`` calls do.
+    """
+    after = getattr(super(cls, obj), "__post_init__", None)
+    if after is not None:
+        after()
+
+
+# ----------------------------------------------------------------------------- fusion
+#: The fusion rules (:mod:`ensemble_core.text.distributions` maps each to its class).
+FUSION_RULES = ("unite", "gac")
+#: How a fused distribution is sharpened before the choice.
+SHARPENINGS = ("heuristic", "geometric", "none")
+WEIGHTS_EXPECTED = ("None, a list with one weight >= 0 per member, or a {member name: weight} mapping "
+                    "(members left out weigh 1); at least one weight > 0")
+
+
+def _weight(value: Any, option: Any) -> float:
+    if not is_number(value) or not 0 <= value < math.inf:
+        raise InvalidOptionError("fusion_weights", option, WEIGHTS_EXPECTED)
+    return float(value)
+
+
+def normalize_weight_option(weights: Any) -> tuple[float, ...] | tuple[tuple[str, float], ...] | None:
+    """Check ``fusion_weights`` as far as possible without the members; a hashable copy.
+
+    A sequence becomes a tuple of floats, a mapping a tuple of ``(name, weight)`` pairs.
+    How many members there are and what they are called is checked by
+    :func:`~ensemble_core.text.distributions.fusion_weights` when a request starts.
+    """
+    if weights is None:
+        return None
+    if isinstance(weights, Mapping) or (isinstance(weights, tuple) and weights and all(
+            isinstance(w, tuple) and len(w) == 2 and isinstance(w[0], str) for w in weights)):
+        pairs = tuple(weights.items()) if isinstance(weights, Mapping) else weights
+        if not pairs or not all(isinstance(name, str) for name, _ in pairs):
+            raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
+        return tuple((name, _weight(w, weights)) for name, w in pairs)
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or not weights:
+        raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
+    values = tuple(_weight(w, weights) for w in weights)
+    if not any(values):
+        raise InvalidOptionError("fusion_weights", weights, WEIGHTS_EXPECTED)
+    return values
+
+
+@dataclass(frozen=True)
+class FusionOptions:
+    """How the members' next-token distributions are fused (SAFE's ensemble points, every-token).
+
+    ``distribution``: ``"unite"`` (the union of every member's top-k, UniTE) or ``"gac"``
+    (the union vocabulary, GaC). ``top_k``: UniTE's k, and how many of the drafter's
+    candidates prefix merge may lift. ``sharpening``: ``"heuristic"`` (prefix merge),
+    ``"geometric"`` or ``"none"`` (the published baselines do not sharpen; SAFE's default
+    is ``"heuristic"``). ``fusion_weights``: per-member weights of the fused distribution
+    (None: uniform, as published; a list in member order or a ``{name: weight}`` mapping,
+    members left out weigh 1).
+    """
+
+    distribution: str = "unite"
+    top_k: int = 10
+    sharpening: str = "none"
+    fusion_weights: Any = None
+
+    def __post_init__(self) -> None:
+        next_post_init(FusionOptions, self)
+        check_choice("distribution", self.distribution, FUSION_RULES)
+        check_int("top_k", self.top_k, 1)
+        check_choice("sharpening", self.sharpening, SHARPENINGS)
+        object.__setattr__(self, "fusion_weights", normalize_weight_option(self.fusion_weights))
+
+
+# ----------------------------------------------------------------------------- prompt lookup
+@dataclass(frozen=True)
+class PromptLookupOptions:
+    """Prompt-lookup drafting (:mod:`~ensemble_core.decoding.lookup`).
+
+    ``prompt_lookup``: a drafter also feeds up to this many tokens guessed from its own
+    context in each pass and keeps those it chooses anyway: the same draft in fewer passes
+    (0: one token per pass, as published; transformers' ``prompt_lookup_num_tokens``).
+    ``prompt_lookup_max_requests``: guess only while at most this many requests decode
+    together (None: always); guesses cost compute in a batched pass
+    (:func:`~ensemble_core.decoding.lookup.guesses_now`).
+    """
+
+    prompt_lookup: int = 0
+    prompt_lookup_max_requests: int | None = 1
+
+    def __post_init__(self) -> None:
+        next_post_init(PromptLookupOptions, self)
+        check_int("prompt_lookup", self.prompt_lookup, 0, expected="an integer >= 0 (0: one token per pass)")
+        check_int("prompt_lookup_max_requests", self.prompt_lookup_max_requests, 1, optional=True,
+                  expected="an integer >= 1, or None to guess at any number of concurrent requests")
