@@ -22,6 +22,7 @@ or one of the families (configuration, model loading, input, cancellation)::
     │   ├── UnsupportedParameterError
     │   └── ConstraintError
     │       ├── InvalidSchemaError
+    │       │   └── UnsupportedSchemaFeatureError
     │       └── UnknownToolError (KeyError)
     ├── GenerationCancelled
     │   ├── GenerationTimeout (TimeoutError)
@@ -251,3 +252,18 @@ class UnsupportedParameterError(InputError):
 
 class ClientDisconnected(GenerationCancelled):
     """The HTTP client went away before its answer was complete (the server stops that generation)."""
+
+
+class UnsupportedSchemaFeatureError(InvalidSchemaError):
+    """A JSON Schema is valid but uses a feature the library cannot enforce or check (``feature`` names it).
+
+    Raised when tools or a response format are checked (``structured_request``, ``check_tools``,
+    a constraint being made), never when a reply is read: a keyword the grammar engine does not
+    implement (``not``, ``if``/``then``/``else``, ``uniqueItems``, look-around in a ``pattern``), or a
+    ``$ref`` to another document, which the argument validator would have to fetch over the
+    network. The fix says how to write the schema instead.
+    """
+
+    def __init__(self, feature: str, problem: str, fix: str) -> None:
+        self.feature = feature
+        super().__init__(problem, fix)

@@ -482,6 +482,44 @@ def test_timeout_whole_and_streamed_in_process(direct_build: Any) -> None:
         assert app.state.loading.engine.snapshot()["timed_out"] == 2
 
 
+def test_calls_in_any_format_and_invalid_calls_in_process() -> None:
+    """Auto mode through the server (a scripted member): a fenced call is ``tool_calls``; a call that breaks
+    the tool's schema has no ``tool_calls``, finishes ``stop``, keeps its text, and its error is in
+    ``ensemble.invalid_tool_calls``; the same whole and streamed."""
+    from fastapi.testclient import TestClient
+    from test_llamaindex_agent import ScriptedLM
+
+    from ensemble_core import Member
+    from ensemble_core.server import create_app
+
+    fenced = '```json\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n```'
+    hot = '{"name": "multiply", "arguments": {"x": "hot"}}'
+    script = iter([fenced, hot, fenced, hot, hot])
+    base = tiny_member("smollm2-135m-instruct", seed=1)
+    member = Member(ScriptedLM(base.model, base.tokenizer, lambda prompt: next(script)), base.tokenizer, name="scripted")
+    tools = [{"type": "function", "function": {"name": "multiply", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+    with TestClient(create_app(ensemble=Ensemble([member], method="single", max_new_tokens=64))) as tc:
+        body = {"messages": HELLO, "tools": tools}
+        called, broken = (tc.post("/v1/chat/completions", json=body).json()["choices"][0] for _ in range(2))
+        assert called["finish_reason"] == "tool_calls" and called["message"]["content"] is None
+        assert json.loads(called["message"]["tool_calls"][0]["function"]["arguments"]) == {"a": 6, "b": 7}
+        whole = tc.post("/v1/chat/completions", json=body).json()  # the fenced call again: no extension errors
+        assert "invalid_tool_calls" not in whole["ensemble"] and "parse_error" not in whole["ensemble"]
+        r = tc.post("/v1/chat/completions", json=body)
+        choice, info = r.json()["choices"][0], r.json()["ensemble"]
+        assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+        assert choice["message"]["content"] == hot and info["invalid_tool_calls"][0]["name"] == "multiply"
+        assert "'a' is a required property" in info["invalid_tool_calls"][0]["error"]
+        with tc.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            events = sse_events(r.iter_lines())
+        chunks = [e for e in events if e != "[DONE]"]
+        assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks if c["choices"])
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        assert "required" in chunks[-1]["ensemble"]["invalid_tool_calls"][0]["error"]
+    assert broken["finish_reason"] == "stop" and broken["message"]["content"] == hot
+
+
 def test_server_log_has_no_crash(server: ServerProcess) -> None:
     """After every test above (bad input, disconnects, load) the log shows no traceback and the process runs."""
     log = server.log_text()

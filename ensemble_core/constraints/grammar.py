@@ -71,12 +71,14 @@ from ensemble_core.constraints.repetition import (
 )
 from ensemble_core.constraints.schemas import map_subschemas
 from ensemble_core.constraints.structured import StructuredRequest, structured_request
+from ensemble_core.constraints.tool_parsers import located, tool_parameters
 from ensemble_core.errors import (
     ConstraintError,
     InvalidOptionError,
     InvalidSchemaError,
     MissingDependencyError,
     UnknownToolError,
+    UnsupportedSchemaFeatureError,
     UnsupportedTokenizerError,
 )
 
@@ -137,6 +139,19 @@ def _bound_integer(node: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+
+
+def _unsupported_feature(problem: str) -> str | None:
+    """The feature the engine names as unsupported (keywords such as ``not``, or look-around in a pattern), if any."""
+    keys = _UNIMPLEMENTED.search(problem)
+    if keys:
+        return ", ".join(k.strip().strip('"') for k in keys.group(1).split(",") if k.strip())
+    if "look-around" in problem:
+        return "look-around in pattern"
+    return None
+
+
 def _check_grammar(schema: Mapping[str, Any]) -> str:
     """The llguidance grammar of ``schema``; an unsupported or malformed schema raises here."""
     llg = _llguidance()
@@ -146,7 +161,11 @@ def _check_grammar(schema: Mapping[str, Any]) -> str:
     except (ValueError, TypeError) as e:
         is_error, messages = True, [str(e)]
     if is_error:
-        raise InvalidSchemaError(messages[0] if messages else "the grammar engine rejected it", _SCHEMA_FIX)
+        problem = messages[0] if messages else "the grammar engine rejected it"
+        feature = _unsupported_feature(problem)
+        if feature is not None:
+            raise UnsupportedSchemaFeatureError(feature, problem, _SCHEMA_FIX)
+        raise InvalidSchemaError(problem, _SCHEMA_FIX)
     return grammar
 
 
@@ -233,27 +252,40 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], choice: str | Mappi
         specs = [s for s in specs if s["name"] == choice]
     branches = []
     for spec in specs:
-        params = spec.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(params, Mapping):
-            raise InvalidSchemaError(f"tool {spec['name']!r} parameters: expected a dict (a JSON Schema), got "
-                                     f"{type(params).__name__}", "Pass 'parameters' as a JSON Schema dict.")
-        params = dict(params)
-        if params.get("type") == "object" and "additionalProperties" not in params:
-            params["additionalProperties"] = False
+        params = tool_parameters(spec)  # the schema validation checks free calls against too
         try:
             JsonConstraint(params)  # names the tool when its parameters are the problem
         except InvalidSchemaError as e:
-            raise InvalidSchemaError(f"tool {spec['name']!r} parameters: {e.problem}", e.fix) from e
-        branches.append({"type": "object", "properties": {"name": {"const": spec["name"]}, "arguments": params},
+            raise located(e, f"tool {spec['name']!r} parameters") from e
+        where = "#/properties/arguments" if len(specs) == 1 else f"#/anyOf/{len(branches)}/properties/arguments"
+        branches.append({"type": "object", "properties": {"name": {"const": spec["name"]}, "arguments": _rebased(params, where)},
                          "required": ["name", "arguments"], "additionalProperties": False})
     return JsonConstraint(branches[0] if len(branches) == 1 else {"anyOf": branches})
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` with its local ``$ref`` pointers (``#/$defs/X``) made to point below ``root``, where it now sits.
+
+    A tool's parameters become a subschema of the call's schema, so ``#/$defs/Person`` (what
+    Pydantic writes for nested models) would point at the root of the call, where nothing is.
+    """
+    if isinstance(schema, list):
+        return [_rebased(s, root) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _rebased(v, root) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def check_tools(tools: Sequence[Mapping[str, Any]], tool_choice: Any = None) -> StructuredRequest:
     """Validate tools and a tool choice when they are bound, not at the first call.
 
     Typed errors name the problem: an unknown name in ``tool_choice`` raises
-    :class:`~ensemble_core.errors.UnknownToolError`, parameters the grammar engine cannot
+    :class:`~ensemble_core.errors.UnknownToolError`, parameters that the argument validator
+    (``jsonschema``, in :func:`structured_request`) rejects or the grammar engine cannot
     compile raise :class:`~ensemble_core.errors.InvalidSchemaError` naming the tool, whatever
     the choice (an "auto" request could not be constrained later either). Without llguidance
     only a forced choice needs the engine (and raises :class:`MissingDependencyError`).

@@ -12,21 +12,38 @@ A request may carry OpenAI-style ``tools`` with a ``tool_choice``, and/or a
    ``"required"`` / ``"any"`` / a tool name) or a schema is requested, every member decodes
    under the grammar of :mod:`ensemble_core.constraints.grammar`, so the output ALWAYS parses.
    With ``tool_choice="auto"`` decoding is free and the ensemble's text decides: a reply
-   that is a tool-call object is a call, anything else is text (:func:`parse_output`).
+   that holds a call in one of the formats models write (Hermes tags, fenced or bare JSON,
+   Llama 3, Mistral: :mod:`ensemble_core.constraints.tool_parsers`) is a call, anything
+   else is text (:func:`parse_output`).
 3. **Result** (:class:`StructuredOutput`): the text, the parsed calls (with ids), the parsed
-   JSON value, and replies that looked like a call but did not parse (``invalid_tool_calls``).
+   JSON value, and calls that cannot run (``invalid_tool_calls``): broken JSON, an unknown
+   tool, or arguments that break the tool's JSON Schema. Every path (auto, forced, streamed,
+   served) reads a finished reply through :func:`parse_output`, so every call is checked.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ensemble_core.constraints.tool_parsers import (
+    AutoParser,
+    ToolCall,
+    ToolCallParser,
+    ToolSet,
+    json_sequence,
+    schema_error,
+    schema_validator,
+)
 from ensemble_core.errors import InputError, InvalidOptionError
+
+__all__ = [
+    "CALL_TAG", "JSON_INSTRUCTIONS", "SCHEMA_INSTRUCTIONS", "TOOL_CHOICES", "TOOL_INSTRUCTIONS",
+    "ReplyStream", "StructuredOutput", "StructuredRequest", "ToolCall", "function_spec", "json_sequence",
+    "parse_output", "reply_content", "schema_of", "structured_request", "tool_instructions", "with_instructions",
+]
 
 TOOL_CHOICES = ("auto", "none", "required", "any")
 
@@ -42,19 +59,10 @@ SCHEMA_INSTRUCTIONS = "Answer with one JSON object that matches this JSON Schema
 JSON_INSTRUCTIONS = "Answer with one JSON object, and nothing else."
 #: Qwen2.5-style templates wrap calls in these tags; a reply may carry them in auto mode.
 CALL_TAG = "<tool_call>"
-_TAGGED_CALL = re.compile(re.escape(CALL_TAG) + r"\s*(.*?)\s*(</tool_call>|$)", re.S)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One parsed call: ``arguments`` is a dict; ``id`` is generated (``call_<hex>``)."""
-
-    name: str
-    arguments: dict[str, Any]
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "name": self.name, "arguments": self.arguments}
+#: What a ``response_format={"type": "json_object"}`` value must be (its schema is ``{}``).
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+#: The parser of every reply: all the formats of :mod:`ensemble_core.constraints.tool_parsers`.
+_DEFAULT_PARSER = AutoParser()
 
 
 @dataclass(frozen=True)
@@ -124,7 +132,13 @@ def schema_of(response_format: Any) -> dict[str, Any] | None:
 
 
 def structured_request(tools: Any = None, tool_choice: Any = None, response_format: Any = None) -> StructuredRequest:
-    """Validate a request's ``tools`` / ``tool_choice`` / ``response_format`` (typed errors name the problem)."""
+    """Validate a request's ``tools`` / ``tool_choice`` / ``response_format`` (typed errors name the problem).
+
+    The tools' parameters and the response format's schema are compiled into their
+    ``jsonschema`` validators here (cached), so that a schema the validator rejects raises
+    :class:`~ensemble_core.errors.InvalidSchemaError` naming the tool when the request is
+    made, not when a reply is read.
+    """
     if tools is not None and (isinstance(tools, (str, Mapping)) or not isinstance(tools, Sequence)):
         raise InvalidOptionError("tools", tools, "a list of tool specs")
     specs = tuple(function_spec(t, i) for i, t in enumerate(tools or ()))
@@ -143,7 +157,11 @@ def structured_request(tools: Any = None, tool_choice: Any = None, response_form
         raise InvalidOptionError("tool_choice", tool_choice, "'auto' or 'none' when no tools are given")
     if choice == "any":
         choice = "required"
-    return StructuredRequest(specs, choice, schema_of(response_format))
+    schema = schema_of(response_format)
+    ToolSet(specs).check()
+    if schema is not None:
+        schema_validator(schema or _ANY_OBJECT, "response_format")
+    return StructuredRequest(specs, choice, schema)
 
 
 def tool_instructions(request: StructuredRequest) -> str:
@@ -176,85 +194,64 @@ def with_instructions(messages: list[dict[str, Any]], request: StructuredRequest
 
 @dataclass
 class StructuredOutput:
-    """What a reply means: ``content`` (text, empty for a pure call), ``tool_calls``,
-    ``parsed`` (the JSON value for a response format), ``invalid_tool_calls`` (replies that
-    looked like a call but did not parse: ``{"name", "args", "error"}``)."""
+    """What a reply means.
+
+    * ``content``: the text outside the calls (empty for a pure call);
+    * ``tool_calls``: the calls that may run: a known tool, arguments that match its schema;
+    * ``parsed``: the JSON value of a response-format reply (None when the reply is not JSON);
+    * ``invalid_tool_calls``: calls that cannot run, ``{"name", "args", "id", "error"}``
+      (LangChain's ``InvalidToolCall``): broken or cut JSON, an unknown tool, or arguments
+      that break the tool's schema (``error`` is the validator's message);
+    * ``parse_error``: why a response-format reply is not a valid value: not JSON (``parsed``
+      is None), or the validator's message when ``parsed`` breaks the requested schema
+      (``parsed`` keeps the value, as before); None when it matches.
+    """
 
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     parsed: Any = None
     invalid_tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    parse_error: str | None = None
 
 
-def _as_call(value: Any, names: Sequence[str]) -> ToolCall | None:
-    if isinstance(value, Mapping) and isinstance(value.get("name"), str) and value["name"] in names:
-        args = value.get("arguments", value.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                return None
-        if isinstance(args, Mapping):
-            return ToolCall(value["name"], dict(args))
-    return None
+def parse_output(text: str, request: StructuredRequest, parser: ToolCallParser | None = None) -> StructuredOutput:
+    """Read a finished reply: its tool calls (forced or chosen in auto mode), or the requested JSON value.
 
-
-def json_sequence(text: str) -> list[Any] | None:
-    """The JSON values ``text`` consists of, separated by whitespace only (None if it is anything else)."""
-    decoder, values, i = json.JSONDecoder(), [], 0
-    while True:
-        while i < len(text) and text[i].isspace():
-            i += 1
-        if i == len(text):
-            return values or None
-        try:
-            value, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return None
-        values.append(value)
-
-
-def parse_output(text: str, request: StructuredRequest) -> StructuredOutput:
-    """Read a reply: tool calls (forced or chosen by the model in auto mode), or the requested JSON value."""
+    The one reader of every path (the generation loop calls it for every result; the
+    adapters and the server read its :class:`StructuredOutput`). Calls are read by
+    ``parser`` (default: every format, :class:`~ensemble_core.constraints.tool_parsers.AutoParser`)
+    and checked against their tool's JSON Schema, forced ones too; ``tool_choice="none"``
+    reads no calls. A response-format value is checked against its schema (``parse_error``).
+    """
     if not request.active:
         return StructuredOutput(text)
-    names = [t["name"] for t in request.tools]
-    body = text.strip()
-    tagged = _TAGGED_CALL.findall(body)
-    candidates = [t[0] for t in tagged] if tagged else [body]
     if request.tools and request.choice != "none":
-        calls, invalid = [], []
-        for chunk in candidates:
-            try:
-                values = [json.loads(chunk)]
-            except json.JSONDecodeError as exc:
-                values = json_sequence(chunk)  # several calls, one after another (one per line)
-                if values is None:
-                    if tagged or (chunk.startswith("{") and '"name"' in chunk):
-                        invalid.append({"name": None, "args": chunk, "id": "call_" + uuid.uuid4().hex[:24],
-                                        "error": f"not valid JSON: {exc}"})
-                    continue
-            for value in values:
-                call = _as_call(value, names)
-                if call is not None:
-                    calls.append(call)
-                elif isinstance(value, Mapping) and "name" in value:
-                    invalid.append({"name": value.get("name"), "args": json.dumps(value.get("arguments")),
-                                    "id": "call_" + uuid.uuid4().hex[:24],
-                                    "error": "unknown tool or arguments not an object"})
-        if calls or invalid:
-            return StructuredOutput("" if calls and not tagged else _TAGGED_CALL.sub("", body).strip(), calls,
-                                    invalid_tool_calls=invalid)
+        found = (parser or _DEFAULT_PARSER).parse(text, ToolSet(request.tools))
+        if found is not None and found.found:
+            return StructuredOutput(found.content, list(found.calls),
+                                    invalid_tool_calls=[c.as_dict() for c in found.invalid])
     if request.schema is not None:
-        try:
-            return StructuredOutput(text, parsed=json.loads(body))
-        except json.JSONDecodeError:
-            return StructuredOutput(text)
+        return _value(text, request.schema)
     return StructuredOutput(text)
 
 
+def _value(text: str, schema: Mapping[str, Any]) -> StructuredOutput:
+    """A response-format reply: its JSON value, and why it is not a valid one (not JSON, or breaks the schema)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return StructuredOutput(text, parse_error=f"the reply is not valid JSON: {e}")
+    error = schema_error(value, schema_validator(schema or _ANY_OBJECT, "response_format"))
+    return StructuredOutput(text, parsed=value,
+                            parse_error=None if error is None else f"the value does not match the schema: {error}")
+
+
 def reply_content(text: str, output: StructuredOutput | None) -> str:
-    """A reply's message text: the reply, without the calls when it holds tool calls."""
+    """A reply's message text: the reply, without the calls when it holds tool calls.
+
+    A reply with only invalid calls keeps its whole text: the user (or the agent loop)
+    sees what the model wrote, and ``invalid_tool_calls`` says why it did not run.
+    """
     return output.content if output is not None and output.tool_calls else text
 
 

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ensemble_core.constraints.structured import reply_content
 from ensemble_core.decoding.generation import GenerationResult
 from ensemble_core.ensemble import Ensemble
 from ensemble_core.errors import (
@@ -242,10 +243,18 @@ def _include_usage(request: SamplingFields) -> bool:
 
 # ----------------------------------------------------------------------------- response shapes
 def ensemble_info(result: GenerationResult, ensemble: Ensemble) -> EnsembleInfo:
+    """The ``ensemble`` extension field: how the answer was made, and calls or values that did not check out.
+
+    OpenAI's ``message`` has no place for a call that cannot run, so the validator's errors
+    (``invalid_tool_calls``, ``parse_error``) travel here.
+    """
     info = result_info(result, ensemble)
+    structured = getattr(result, "structured", None)
+    invalid = list(structured.invalid_tool_calls) if structured is not None else []
     return EnsembleInfo(name=info["ensemble"], method=info["method"], members=info["members"],
                         token_counter=info["token_counter"], stop_reason=info["stop_reason"], seconds=info["seconds"],
-                        time_to_first_chunk=info["time_to_first_chunk"], stats=info["stats"])
+                        time_to_first_chunk=info["time_to_first_chunk"], stats=info["stats"],
+                        invalid_tool_calls=invalid or None, parse_error=getattr(structured, "parse_error", None))
 
 
 def tool_calls(result: GenerationResult) -> list[dict[str, Any]] | None:
@@ -266,13 +275,21 @@ def tool_calls(result: GenerationResult) -> list[dict[str, Any]] | None:
 
 
 def content(result: GenerationResult) -> str:
-    """The reply's text: without the tool-call JSON when the core read calls out of it."""
-    structured = getattr(result, "structured", None)
-    return structured.content if structured is not None else result.text
+    """The reply's text: without the tool-call JSON when the core read calls out of it.
+
+    A reply whose calls are all invalid keeps its whole text (as the adapters do): the client
+    sees what the model wrote; ``ensemble.invalid_tool_calls`` says why it did not run.
+    """
+    return reply_content(result.text, getattr(result, "structured", None))
 
 
 def finish_reason(result: GenerationResult) -> str:
-    return "tool_calls" if tool_calls(result) else api_finish_reason(result.finish_reason)
+    """``tool_calls`` when the reply has calls that may run, else ``stop`` / ``length`` (as :func:`result_info` says).
+
+    Only invalid calls finish ``stop``: OpenAI's clients and agent loops read ``tool_calls``
+    on that reason and would find none; the errors are in the ``ensemble`` field.
+    """
+    return api_finish_reason(result.finish_reason, bool(tool_calls(result)))
 
 
 def sse(model: BaseModel | str, drop: set[str] | None = None) -> str:

@@ -162,6 +162,12 @@ class EnsembleInfo(BaseModel):
     seconds: float
     time_to_first_chunk: float | None
     stats: dict[str, Any]
+    #: Calls the reply started that cannot run (broken or cut JSON, an unknown tool, arguments that break the
+    #: tool's schema), as ``{"name", "args", "id", "error"}``; omitted when there are none. Such a reply has no
+    #: ``tool_calls`` and finishes ``stop`` (``length`` when cut); its text is the message content.
+    invalid_tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=_is_none)
+    #: Why a ``response_format`` reply is not a valid value (not JSON, or breaks the schema); omitted when it is.
+    parse_error: str | None = Field(default=None, exclude_if=_is_none)
 
 
 class AssistantMessage(BaseModel):
