@@ -6,7 +6,7 @@ and by the adapters' strict mode (:func:`closed_schema`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 # ----------------------------------------------------------------------------- schemas
@@ -53,3 +53,19 @@ def closed_schema(schema: Any) -> Any:
     """
     return map_subschemas(schema, _close)
 
+
+def strict_tools(specs: Sequence[Mapping[str, Any]], strict: bool | None = None) -> list[dict[str, Any]]:
+    """OpenAI-style tool specs with their parameters closed (:func:`closed_schema`) unless ``strict`` is False.
+
+    The adapters' ``bind_tools`` / ``chat_with_tools`` default (``strict=None``): see
+    :func:`closed_schema` for why. A spec without a ``function`` field is left as it is.
+    """
+    if strict is False:
+        return [dict(s) for s in specs]
+    out = []
+    for spec in specs:
+        function = spec.get("function")
+        if isinstance(function, Mapping):
+            spec = {**spec, "function": {**function, "parameters": closed_schema(function.get("parameters") or {})}}
+        out.append(dict(spec))
+    return out

@@ -40,6 +40,7 @@ from collections.abc import AsyncIterator, Hashable, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
+from ensemble_core.constraints.structured import ReplyStream, reply_content
 from ensemble_core.decoding.generation import GenerationConfig, GenerationResult
 from ensemble_core.decoding.members import Member
 from ensemble_core.ensemble import Ensemble
@@ -254,6 +255,24 @@ def clear_shared() -> None:
         _ENSEMBLES.clear()
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplyChunk:
+    """One piece of a reply as a framework shows it (see :meth:`Run.replies`).
+
+    ``delta`` is the text to show now, ``text`` everything shown so far. The last chunk of a
+    reply carries ``result`` (usage, stats, parsed tool calls): its ``text`` is the reply's
+    final content (without the calls) and its ``delta`` whatever of it was held back.
+    """
+
+    delta: str
+    text: str
+    result: GenerationResult | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.result is not None
+
+
 class Run:
     """One generation on a (shared) ensemble: iterate for text deltas; ``result`` at the end.
 
@@ -335,6 +354,46 @@ class Run:
         if self.timed_out and self.result is not None and self.result.finish_reason == "cancelled":
             raise GenerationTimeout(self.timeout or 0.0, self.result.text)
         assert self.result is not None
+
+    def replies(self) -> Iterator[ReplyChunk]:
+        """The reply as a framework streams it: content deltas, then one last chunk with the result.
+
+        The one streaming loop of both adapters (LangChain's ``_stream``, LlamaIndex's
+        ``stream_chat`` / ``stream_complete``). With tools, text that is, or may still become, a
+        tool call is held back (:class:`~ensemble_core.constraints.structured.ReplyStream`) and
+        the calls arrive with the last chunk. A consumer that stops early cancels the run.
+        """
+        hold = ReplyStream.for_request(self.stream.config.structured)
+        shown = ""
+        try:
+            for delta in self:
+                piece = hold.push(delta) if hold is not None else delta
+                if piece:
+                    shown += piece
+                    yield ReplyChunk(piece, shown)
+        finally:
+            self.close()
+        yield self._last_reply(hold, shown)
+
+    async def areplies(self) -> AsyncIterator[ReplyChunk]:
+        """:meth:`replies` with the model in a worker thread (the event loop stays free)."""
+        hold = ReplyStream.for_request(self.stream.config.structured)
+        shown = ""
+        async with aclosing(self.astream()) as deltas:
+            async for delta in deltas:
+                piece = hold.push(delta) if hold is not None else delta
+                if piece:
+                    shown += piece
+                    yield ReplyChunk(piece, shown)
+        yield self._last_reply(hold, shown)
+
+    def _last_reply(self, hold: ReplyStream | None, shown: str) -> ReplyChunk:
+        result = self.result
+        assert result is not None
+        if hold is None:
+            return ReplyChunk("", shown, result)
+        content = reply_content(result.text, result.structured)
+        return ReplyChunk(hold.rest(content), content, result)
 
     def run(self) -> GenerationResult:
         """Generate to the end (blocking) and return the result."""

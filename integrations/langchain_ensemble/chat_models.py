@@ -16,7 +16,6 @@ every member, so the output always parses unless ``max_tokens`` cuts it.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import aclosing, closing
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -38,12 +37,12 @@ from typing_extensions import is_typeddict
 
 from ensemble_core import ConfigurationError, Ensemble, GenerationResult, InvalidOptionError
 from ensemble_core.constraints.grammar import check_tools
-from ensemble_core.constraints.schemas import closed_schema
+from ensemble_core.constraints.schemas import closed_schema, strict_tools
 from ensemble_core.constraints.structured import structured_request
-from ensemble_core.serving.runtime import Run
+from ensemble_core.serving.runtime import ReplyChunk
 
 from .base import EnsembleFields, response_metadata, usage_metadata
-from .messages import ReplyStream, lc_tool_call_chunks, lc_tool_calls, reply_content, to_core_messages
+from .messages import lc_tool_call_chunks, lc_tool_calls, reply_content, to_core_messages
 
 #: The ``method`` values of :meth:`ChatEnsemble.with_structured_output`.
 StructuredMethod = Literal["json_schema", "function_calling", "json_mode"]
@@ -99,14 +98,10 @@ def convert_tools(tools: Sequence[Any], strict: bool | None = None) -> list[dict
     specs = []
     for i, tool in enumerate(tools):
         try:
-            spec = convert_to_openai_tool(tool, strict=strict)
+            specs.append(convert_to_openai_tool(tool, strict=strict))
         except (ValueError, TypeError) as exc:
             raise InvalidOptionError(f"tools[{i}]", tool, f"a tool LangChain can convert to an OpenAI spec ({exc})") from exc
-        function = spec.get("function")
-        if strict is not False and isinstance(function, Mapping):
-            spec = {**spec, "function": {**function, "parameters": closed_schema(function.get("parameters") or {})}}
-        specs.append(spec)
-    return specs
+    return strict_tools(specs, strict)
 
 
 def tool_choice_option(tool_choice: Any) -> str | dict[str, Any] | None:
@@ -308,6 +303,13 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
                          invalid_tool_calls=invalid, usage_metadata=usage_metadata(result),
                          response_metadata=response_metadata(result, ensemble, model_name))
 
+    @classmethod
+    def _chunk(cls, reply: ReplyChunk, ensemble: Ensemble, model_name: str) -> ChatGenerationChunk:
+        """A stream chunk for one piece of the core's reply (the last one closes the message)."""
+        if reply.result is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=reply.delta))
+        return cls._last_chunk(reply.result, ensemble, model_name, reply.delta)
+
     @staticmethod
     def _last_chunk(result: GenerationResult, ensemble: Ensemble, model_name: str, rest: str = "") -> ChatGenerationChunk:
         """The closing chunk: the held-back text and the tool calls, all the usage and metadata (counted once)."""
@@ -317,17 +319,6 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
         return ChatGenerationChunk(message=AIMessageChunk(
             content=rest, tool_call_chunks=lc_tool_call_chunks(result.structured), usage_metadata=usage_metadata(result),
             response_metadata=metadata, chunk_position="last"))
-
-    @staticmethod
-    def _reply_stream(run: Run) -> ReplyStream | None:
-        """How deltas are shown when tools are bound (None: every delta is content)."""
-        return ReplyStream.for_request(run.stream.config.structured)
-
-    def _closing(self, run: Run, reply: ReplyStream | None, ensemble: Ensemble, model_name: str) -> ChatGenerationChunk:
-        result = run.result
-        assert result is not None
-        rest = reply.rest(reply_content(result.text, result.structured)) if reply is not None else ""
-        return self._last_chunk(result, ensemble, model_name, rest)
 
     # ------------------------------------------------------------------ sync
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -341,27 +332,18 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         """One chunk per committed text delta, then a closing chunk with usage and metadata.
 
-        With tools bound, text that is (or may still become) a tool call is held back
-        (:class:`~.messages.ReplyStream`); the calls arrive whole in the closing chunk's
-        ``tool_call_chunks``. ``run_manager`` is given only on paths where LangChain does not
-        report tokens itself (``stream()`` reports each yielded chunk), so each chunk is
-        reported once.
+        The core's :meth:`~ensemble_core.serving.runtime.Run.replies` decides what is shown when:
+        with tools bound, text that is (or may still become) a tool call is held back and the
+        calls arrive in the closing chunk's ``tool_call_chunks``. ``run_manager`` is given only on
+        paths where LangChain does not report tokens itself (``stream()`` reports each yielded
+        chunk), so each chunk is reported once.
         """
         run, ensemble, model_name = self._prepare(to_core_messages(messages), stop, kwargs)
-        reply = self._reply_stream(run)
-        with closing(iter(run)) as deltas:  # leaving early cancels the core stream
-            for delta in deltas:
-                shown = reply.push(delta) if reply is not None else delta
-                if not shown:
-                    continue
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=shown))
-                if run_manager:
-                    run_manager.on_llm_new_token(shown, chunk=chunk)
-                yield chunk
-        last = self._closing(run, reply, ensemble, model_name)
-        if run_manager:
-            run_manager.on_llm_new_token(str(last.message.content), chunk=last)
-        yield last
+        for reply in run.replies():  # leaving early cancels the core stream
+            chunk = self._chunk(reply, ensemble, model_name)
+            if run_manager:
+                run_manager.on_llm_new_token(str(chunk.message.content), chunk=chunk)
+            yield chunk
 
     # ------------------------------------------------------------------ async
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -377,17 +359,8 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         """Like :meth:`_stream`, with the model running in a worker thread (the loop stays free)."""
         run, ensemble, model_name = self._prepare(to_core_messages(messages), stop, kwargs)
-        reply = self._reply_stream(run)
-        async with aclosing(run.astream()) as deltas:
-            async for delta in deltas:
-                shown = reply.push(delta) if reply is not None else delta
-                if not shown:
-                    continue
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=shown))
-                if run_manager:
-                    await run_manager.on_llm_new_token(shown, chunk=chunk)
-                yield chunk
-        last = self._closing(run, reply, ensemble, model_name)
-        if run_manager:
-            await run_manager.on_llm_new_token(str(last.message.content), chunk=last)
-        yield last
+        async for reply in run.areplies():
+            chunk = self._chunk(reply, ensemble, model_name)
+            if run_manager:
+                await run_manager.on_llm_new_token(str(chunk.message.content), chunk=chunk)
+            yield chunk

@@ -14,7 +14,7 @@ policy (:mod:`ensemble_core.text.chat`), shared with the LlamaIndex adapter and 
   because ``AIMessage.tool_calls`` carries the calls.
 * A message's ``name`` is not rendered: the members' chat templates have no field for it.
 
-The other direction (:func:`lc_tool_calls`, :func:`lc_tool_call_chunks`, :class:`ReplyStream`)
+The other direction (:func:`lc_tool_calls`, :func:`lc_tool_call_chunks`)
 turns the core's :class:`~ensemble_core.constraints.structured.StructuredOutput` into ``AIMessage.tool_calls``
 / ``invalid_tool_calls`` and a stream's ``tool_call_chunks``.
 """
@@ -37,7 +37,7 @@ from langchain_core.messages import (
 from langchain_core.messages.tool import InvalidToolCall, ToolCall, ToolCallChunk, invalid_tool_call, tool_call, tool_call_chunk
 
 from ensemble_core import InputError, UnsupportedContentError
-from ensemble_core.constraints.structured import ReplyStream, StructuredOutput, reply_content
+from ensemble_core.constraints.structured import StructuredOutput, reply_content
 
 _CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "ai": "assistant",
                "tool": "tool"}
@@ -47,7 +47,7 @@ _TOOL_CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_cal
 #: OpenAI Responses' ``function_call``): also carried by ``AIMessage.tool_calls``.
 _PROVIDER_CALL_BLOCKS = frozenset({"tool_use", "server_tool_use", "function_call"})
 
-__all__ = ["ReplyStream", "UnsupportedContentError", "lc_tool_call_chunks", "lc_tool_calls", "message_role",
+__all__ = ["UnsupportedContentError", "lc_tool_call_chunks", "lc_tool_calls", "message_role",
            "reply_content", "to_core_messages"]
 #: Qwen2.5-style templates open a call with this tag; text from it on is never streamed as content.
 

@@ -14,7 +14,6 @@ the worker stops after the round it is in.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, Dict, List, Union
 
 from llama_index.core.base.llms.types import (
@@ -36,8 +35,8 @@ from llama_index.core.llms.llm import ToolSelection
 
 from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, Member
 from ensemble_core.constraints.grammar import check_tools
-from ensemble_core.constraints.schemas import closed_schema
-from ensemble_core.constraints.structured import ReplyStream, reply_content
+from ensemble_core.constraints.schemas import strict_tools
+from ensemble_core.constraints.structured import reply_content
 from ensemble_core.serving.runtime import (
     Run,
     call_overrides,
@@ -203,20 +202,6 @@ class EnsembleLLM(FunctionCallingLLM):
             return ChatResponse(message=assistant_message(text, structured), delta=delta, **extra)
         return CompletionResponse(text=text, delta=delta, **extra)
 
-    @staticmethod
-    def _reply_stream(run: Run) -> ReplyStream | None:
-        """How deltas are shown when tools are sent (None: every delta is text)."""
-        return ReplyStream.for_request(run.stream.config.structured)
-
-    def _final(self, chat: bool, run: Run, reply: ReplyStream | None, text: str) -> Any:
-        """The last response of a stream: the rest of the text (held back by ``reply``), calls, usage."""
-        result = run.result
-        assert result is not None
-        if reply is None:
-            return self._response(chat, result, text, "")
-        content = reply_content(result.text, result.structured)
-        return self._response(chat, result, content, reply.rest(content))
-
     # A stream ends with a response that carries the usage and statistics (as OpenAI's final
     # stream chunk does): callbacks and token counters read the last response of a stream,
     # and the usage is only known once the stream is exhausted. With tools, text that is (or
@@ -227,21 +212,7 @@ class EnsembleLLM(FunctionCallingLLM):
 
     def _stream(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Iterator[Any]:
         run = self._run(prompt, kwargs)  # validated now, so that bad options raise at the call
-        reply = self._reply_stream(run)
-
-        def gen() -> Iterator[Any]:
-            text = ""
-            try:
-                for delta in run:
-                    shown = reply.push(delta) if reply is not None else delta
-                    if shown:
-                        text += shown
-                        yield self._response(chat, None, text, shown)
-            finally:
-                run.close()
-            yield self._final(chat, run, reply, text)
-
-        return gen()
+        return (self._response(chat, reply.result, reply.text, reply.delta) for reply in run.replies())
 
     async def _agenerate(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Any:
         result = await self._run(prompt, kwargs).arun()
@@ -249,17 +220,10 @@ class EnsembleLLM(FunctionCallingLLM):
 
     async def _astream(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> AsyncIterator[Any]:
         run = self._run(prompt, kwargs)
-        reply = self._reply_stream(run)
 
         async def gen() -> AsyncIterator[Any]:
-            text = ""
-            async with aclosing(run.astream()) as deltas:
-                async for delta in deltas:
-                    shown = reply.push(delta) if reply is not None else delta
-                    if shown:
-                        text += shown
-                        yield self._response(chat, None, text, shown)
-            yield self._final(chat, run, reply, text)
+            async for reply in run.areplies():
+                yield self._response(chat, reply.result, reply.text, reply.delta)
 
         return gen()
 
@@ -287,9 +251,7 @@ class EnsembleLLM(FunctionCallingLLM):
         unless ``strict=False``.
         """
         specs = [tool.metadata.to_openai_tool(skip_length_check=True) for tool in tools]
-        if strict is not False:
-            specs = [{**s, "function": {**s["function"], "parameters": closed_schema(s["function"]["parameters"])}}
-                     for s in specs]
+        specs = strict_tools(specs, strict)
         if tool_choice is None:
             tool_choice = "required" if tool_required and specs else "auto"
         if not isinstance(tool_choice, (str, Mapping)):
