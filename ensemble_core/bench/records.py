@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ RESULTS_FILE = "results.jsonl"
 
 def jsonable(value: Any) -> Any:
     """Stats as plain JSON values (tensors and numpy scalars become numbers / lists)."""
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]

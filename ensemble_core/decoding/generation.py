@@ -139,7 +139,7 @@ class GenerationResult:
     completion_tokens: int
     seconds: float
     time_to_first_chunk: float | None
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: RequestStats = field(default_factory=lambda: RequestStats("method"))
     #: The reply read as tool calls / a JSON value, for requests with tools or a response format.
     structured: StructuredOutput | None = None
 
@@ -399,6 +399,6 @@ class GenerationStream:
             completion_tokens=method.primary.count_tokens(text) if text else 0,
             seconds=time.perf_counter() - t0,
             time_to_first_chunk=first,
-            stats=method.stats(request).as_dict(),
+            stats=method.stats(request),
             structured=parse_output(text, config.structured) if config.structured.active else None,
         )

@@ -1,9 +1,11 @@
 """Typed statistics of one finished request, with the same names for the same things in every method.
 
 Every method returns a :class:`RequestStats` (or a subclass with its own extras) from
-:meth:`EnsembleMethod.stats`; :class:`~ensemble_core.GenerationResult` carries its
-:meth:`~RequestStats.as_dict` so that users, the adapters' metadata and the benchmark's
-JSON records all see one plain, JSON-serialisable dict with fixed keys:
+:meth:`EnsembleMethod.stats`, and :class:`~ensemble_core.GenerationResult` carries it as it
+is: typed (``result.stats.e_t``), and also a read-only mapping with fixed keys
+(``result.stats["e_t"]``, ``dict(result.stats)``), the same keys in every method. Only where
+the stats leave the library (the adapters' metadata, the server's JSON, the benchmark's
+records) are they turned into a plain, JSON-serialisable dict (:meth:`~RequestStats.as_dict`):
 
 =================  ====================================================================
 key                meaning (every method)
@@ -21,6 +23,7 @@ ensemble decision) and ``e_t`` (``ensembled / tokens``, the E/T ratio of the SAF
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +47,13 @@ class MemberStats:
         return cls(state.member.name, role, s.forward_passes, s.tokens_fed, round(s.seconds, 4), s.reprefills)
 
 
-@dataclass
-class RequestStats:
-    """What every method reports (see the module docstring)."""
+@dataclass(eq=False)
+class RequestStats(Mapping[str, Any]):
+    """What every method reports (see the module docstring).
+
+    A mapping over :meth:`as_dict` (equal to a dict with the same items), so that code that
+    reads stats as a dict keeps working.
+    """
 
     method: str
     tokens: int = 0
@@ -54,11 +61,20 @@ class RequestStats:
     members: list[MemberStats] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        """A plain dict (nested dataclasses become dicts): what ``GenerationResult.stats`` holds."""
+        """A plain dict (nested dataclasses become dicts): what leaves the library (JSON, metadata)."""
         return dataclasses.asdict(self)
 
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]
 
-@dataclass
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(dataclasses.fields(self))
+
+
+@dataclass(eq=False)
 class TokenLevelStats(RequestStats):
     """Token-level ensembles: how many committed tokens an ensemble decision produced."""
 
@@ -70,7 +86,7 @@ class TokenLevelStats(RequestStats):
         self.e_t = self.ensembled / self.tokens if self.tokens else 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class SafeStats(TokenLevelStats):
     """SAFE's counters: every drafted token is either ``accepted`` or ``replaced``; every
     candidate point is ``ensembled``, skipped as unstable (``skipped_oov``) or skipped by
@@ -85,7 +101,7 @@ class SafeStats(TokenLevelStats):
     replaced: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class SelectionStats(RequestStats):
     """Candidate selection (SpecEM and generate-then-select): who drafted, who judged, phase times."""
 
@@ -94,7 +110,7 @@ class SelectionStats(RequestStats):
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(eq=False)
 class SpecEMStats(SelectionStats):
     """SpecEM: the chosen drafter per round, Hedge weights and their trajectory."""
 
@@ -111,7 +127,7 @@ class SpecEMStats(SelectionStats):
     abstentions: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class GenerateThenSelectStats(SelectionStats):
     """Generate-then-select: every member's answer, the verifiers' scores, the chosen member."""
 

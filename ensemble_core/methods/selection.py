@@ -301,3 +301,16 @@ def finish_text(view: MemberView, shared: str, text: str, limit: int) -> tuple[s
     lead = len(view.piece(shared, text)) - len(text)
     room = max(end - len(view.tokens.text) - lead, 0)
     return text[:room], True, keep, tokens
+
+
+def commit_segment(views: Sequence[MemberView], shared: str, text: str, keep: int, tokens: Tokenized) -> None:
+    """Append ``text`` after the shared text ``shared`` in every member, and advance their grammars.
+
+    ``keep`` / ``tokens`` are the primary member's (``views[0]``) new tokenization, as
+    :func:`finish_text` returned it; every other member re-encodes only its tail.
+    """
+    views[0].commit(keep, tokens)
+    for view in views[1:]:
+        view.commit(*view.appended(shared, text))
+    for view in views:
+        view.pipeline.commit(text)

@@ -57,6 +57,7 @@ from ensemble_core.decoding.view import MemberView, start_views
 from ensemble_core.methods.selection import (
     Candidate,
     SelectionConfig,
+    commit_segment,
     draft,
     finish_text,
     normalize_scores,
@@ -230,11 +231,7 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
             return Chunk(text, done=True, finish_reason="length")
         if chosen.finished:
             return Chunk(text, done=True, finish_reason=chosen.end)
-        views[0].commit(keep, tokens)
-        for view in views[1:]:
-            view.commit(*view.appended(shared, text))
-        for view in views:
-            view.pipeline.commit(text)
+        commit_segment(views, shared, text, keep, tokens)
         request.text = shared + text
         return Chunk(text)
 

@@ -193,7 +193,7 @@ def result_info(result: GenerationResult, ensemble: Ensemble) -> dict[str, Any]:
         "token_counter": ensemble.method.primary.name,
         "seconds": result.seconds,
         "time_to_first_chunk": result.time_to_first_chunk,
-        "stats": result.stats,
+        "stats": result.stats.as_dict(),
     }
 
 

@@ -114,7 +114,7 @@ def extra_kwargs(result: GenerationResult) -> dict[str, Any]:
     """``additional_kwargs`` of a response: the method statistics, the finish reason and the usage
     (plus ``invalid_tool_calls``: replies that looked like a call but did not parse)."""
     extra = {"finish_reason": api_finish_reason(result.finish_reason, bool(result.tool_calls)),
-             "stop_reason": result.finish_reason, "ensemble_stats": result.stats, **usage(result)}
+             "stop_reason": result.finish_reason, "ensemble_stats": result.stats.as_dict(), **usage(result)}
     if result.structured is not None and result.structured.invalid_tool_calls:
         extra["invalid_tool_calls"] = list(result.structured.invalid_tool_calls)
     return extra
