@@ -1,7 +1,8 @@
 """The ``ensemble`` command: ``demo``, ``generate``, ``bench`` and ``serve``.
 
-* ``ensemble demo``: the bundled pair answers one arithmetic word problem, each member
-  alone and then as a SAFE ensemble, with the ensemble's statistics and timings.
+* ``ensemble demo``: each member alone vs their SAFE ensemble on a fixed set of arithmetic
+  questions (a table: correct or not, tokens/s, E/T), then one streamed ensemble answer with
+  its statistics (:mod:`ensemble_core.demo`).
 * ``ensemble generate``: any members, any method, config flags (``--lookahead``,
   ``--segment-length``, ``--distribution``, ``--drafter`` or generic ``--set key=value``),
   a prompt or a chat file, optionally streamed.
@@ -18,21 +19,24 @@ import json
 import os
 import shlex
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ensemble_core.bench.datasets import DATASETS, cot_prompt
+from ensemble_core import demo as _demo
+from ensemble_core.bench.datasets import DATASETS
 from ensemble_core.ensemble import DEFAULT_MEMBERS, Ensemble
-from ensemble_core.errors import ConfigurationError, EnsembleError, InputError, InvalidOptionError
-from ensemble_core.flags import add_member_flags, load_members, parse_sets, parse_value, prepack_flag
+from ensemble_core.errors import EnsembleError, InputError, InvalidOptionError
+from ensemble_core.flags import add_load_flags, add_member_flags, load_members, parse_sets, parse_value, prepack_flag
 from ensemble_core.methods import METHODS, method_class
 from ensemble_core.server.cli import add_serve_parser
 
-DEMO_QUESTION = "A farmer has 12 cows. He buys 7 more cows and then sells 4. How many cows does the farmer have now?"
-#: The base model of the bundled pair otherwise goes on to invent the next "Question:".
-DEMO_STOP = ("\nQuestion:",)
+#: ``ensemble demo``'s choices live in :mod:`ensemble_core.demo` (with why); these names keep them reachable from here.
+DEMO_QUESTION = _demo.STREAM_QUESTION  # streamed at the end; its answer is demo.STREAM_ANSWER
+DEMO_STOP = _demo.STOP  # the benchmark's stop string: a model otherwise goes on to invent the next "Question:"
+DEMO_MEMBERS = _demo.DEMO_MEMBERS
+DEMO_CPU_QUESTIONS = _demo.CPU_QUESTIONS
+DEMO_GPU_QUESTIONS = _demo.GPU_QUESTIONS
 
 
 # ---------------------------------------------------------------------------- output helpers
@@ -59,41 +63,11 @@ def format_stats(stats: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _print_result(label: str, result: Any, text: str | None = None) -> None:
-    print(f"--- {label}: {result.seconds:.2f} s, {result.completion_tokens} tokens, finish={result.finish_reason}"
-          + (f", first text after {result.time_to_first_chunk:.2f} s" if result.time_to_first_chunk is not None else ""))
-    if text is not None:
-        print(text)
-
-
 # ---------------------------------------------------------------------------- commands
 def cmd_demo(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    members = load_members(args)
-    print(f"Loaded {', '.join(m.name for m in members)} in {time.perf_counter() - t0:.1f} s")
-    question = args.question or DEMO_QUESTION
-    prompt = cot_prompt(question)
-    print(f"\nQuestion: {question}\n")
-    for m in members:
-        result = Ensemble([m], method="single").generate(prompt, max_new_tokens=args.max_new_tokens, stop=DEMO_STOP)
-        _print_result(f"{m.name} alone", result, result.text)
-        print()
-    try:
-        ensemble = Ensemble(members, method="safe", max_new_tokens=args.max_new_tokens, stop=DEMO_STOP)
-    except ConfigurationError as exc:
-        print(f"SAFE ensemble: not available yet in this installation ({exc}). Only the members' own answers are shown.")
-        return 1
-    print(f"--- SAFE ensemble of {' + '.join(m.name for m in members)} (streamed):")
-    stream = ensemble.stream(prompt)
-    for delta in stream:
-        print(delta, end="", flush=True)
-    print()
-    result = stream.result
-    _print_result("SAFE ensemble", result)
-    for line in format_stats(result.stats):
-        print("  " + line)
-    print(f"\nTotal demo time {time.perf_counter() - t0:.1f} s.")
-    return 0
+    """``ensemble demo``: members alone vs their SAFE ensemble on fixed questions, then one streamed answer
+    (:mod:`ensemble_core.demo` says which questions and members, and why)."""
+    return _demo.run_demo(args, format_stats)
 
 
 def _read_prompt(args: argparse.Namespace) -> Any:
@@ -149,13 +123,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"text": result.text, "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
                           "completion_tokens": result.completion_tokens, "seconds": result.seconds,
-                          "time_to_first_chunk": result.time_to_first_chunk, "stats": result.stats}, default=repr))
+                          "time_to_first_chunk": result.time_to_first_chunk, "stats": result.stats.as_dict()}, default=repr))
     elif not args.quiet:
         print(f"\n[{ensemble.name}: {result.seconds:.2f} s, {result.completion_tokens} tokens, finish={result.finish_reason}]",
               file=sys.stderr)
         for line in format_stats(result.stats):
             print("  " + line, file=sys.stderr)
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of ``demo --questions``: a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1, e.g. 5")
+    return value
 
 
 def _index_subset(text: str) -> tuple[int, ...]:
@@ -213,10 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ensemble", description="Training-free LLM ensembles (SAFE, SpecEM).")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="the bundled pair answers one question alone and as a SAFE ensemble")
-    add_member_flags(p)
-    p.add_argument("--question", default=None, help="question to ask (default: a short arithmetic word problem)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p = sub.add_parser("demo", help="each member alone vs their SAFE ensemble on fixed arithmetic questions (a table), "
+                                     "then one streamed ensemble answer")
+    p.add_argument("--members", nargs="+", metavar="MEMBER", default=None,
+                   help=f"members to compare (default: {' '.join(DEMO_MEMBERS)}, the bundled pair that can do arithmetic)")
+    add_load_flags(p)
+    p.add_argument("--quick", action="store_true", help="one question only (the first of the table's set), no extra stream")
+    p.add_argument("--questions", type=_positive_int, default=None,
+                   help=f"how many of the arith set's first questions the table asks (default {DEMO_CPU_QUESTIONS}, "
+                        f"{DEMO_GPU_QUESTIONS} with --device cuda)")
+    p.add_argument("--question", default=None, help="the question the ensemble streams at the end (default: the farmer question)")
+    p.add_argument("--max-new-tokens", type=int, default=_demo.STREAM_TOKENS,
+                   help=f"length cap of the streamed answer (default {_demo.STREAM_TOKENS})")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is faster when other processes share the cores)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("generate", help="generate with any members and method")

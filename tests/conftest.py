@@ -29,7 +29,7 @@ from ensemble_core import Member  # noqa: E402
 from ensemble_core.testing import tiny_member  # noqa: E402
 
 #: Test files that load the real Qwen2.5-Coder member: one xdist process runs them all.
-QWEN_FILES = ("test_qwen_real.py", "test_trio_real.py", "test_agents.py")
+QWEN_FILES = ("test_qwen_real.py", "test_trio_real.py", "test_agents.py", "test_demo.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

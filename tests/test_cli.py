@@ -1,4 +1,4 @@
-"""The ``ensemble`` command: argument parsing (fast) and demo / generate on the bundled pair (real)."""
+"""The ``ensemble`` command: argument parsing (fast) and generate on the bundled pair (real); the demo: test_demo.py."""
 
 from __future__ import annotations
 
@@ -56,16 +56,6 @@ def test_bad_input_exits_2_with_a_clear_message_before_loading(tmp_path: Path, c
     assert "prompt_lookup" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate"])  # argparse: --prompt or --chat-file is required
-
-
-@pytest.mark.real
-def test_demo_runs_members_and_safe(capsys) -> None:
-    assert main(["demo", "--max-new-tokens", "16"]) == 0
-    out = capsys.readouterr().out
-    assert "smollm2-135m-instruct alone" in out and "gemma3-270m alone" in out
-    assert "SAFE ensemble" in out and "E/T (ensembled / total tokens)" in out
-    assert "accepted:" in out and "replaced:" in out and "rounds:" in out and "(drafter):" in out
-    assert "\ufffd" not in out
 
 
 @pytest.mark.real
