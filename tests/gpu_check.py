@@ -115,7 +115,7 @@ def run_method(members: list[Member], method: str, tokens: int, **config) -> dic
     return {"tokens": tokens, "seconds": result.seconds,
             "tokens_per_s": tokens / result.seconds if result.seconds else None,
             "time_to_first_chunk": result.time_to_first_chunk, "finish_reason": result.finish_reason,
-            "stats": result.stats, "text_head": result.text[:80]}
+            "stats": result.stats.as_dict(), "text_head": result.text[:80]}
 
 
 def batching(members: dict[str, Member], tokens: int, levels: tuple[int, ...] = (1, 16)) -> dict:
@@ -142,6 +142,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("results/gpu"))
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--reps", type=int, default=10, help="repetitions of the verify-in-line timings")
     parser.add_argument("--save", type=Path, help="also save drafter-135m and gemma-1b here (for `ensemble bench`)")
     args = parser.parse_args()
     device = "cpu" if args.dry else "cuda"
@@ -169,7 +170,7 @@ def main() -> int:
     members = {name: build(name, args.tokenizers, device, dtype, args.dry) for name in SHAPES}
     step("single", lambda: {n: single_speed(m, args.tokens) for n, m in members.items()})
     step("verify_inline", lambda: {
-        "timing_bf16": verify_microbench([members["llama-1b"], members["gemma-1b"]], reps=10, candidates=(2, 4, 8)),
+        "timing_bf16": verify_microbench([members["llama-1b"], members["gemma-1b"]], reps=args.reps, candidates=(2, 4, 8)),
         "max_abs_diff_fp32": {n: inline_equality(members[n]) for n in ("llama-1b", "gemma-1b")}})
     pair = [members["drafter-135m"], members["llama-1b"]]
     step("safe_ceiling", lambda: {
