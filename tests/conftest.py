@@ -10,6 +10,10 @@ Under ``./dev test`` (pytest-xdist, ``--dist loadgroup``) each file runs whole i
 and the files that load the real Qwen2.5-Coder member (:data:`QWEN_FILES`) share one
 process: the trio takes ~9 GB there (weights and their prepacked copies), and two processes
 holding it next to the Ray and notebook tests' own processes ran a 24 GB machine out of memory.
+The Ray and notebook files (:data:`OWN_PROCESS_FILES`) also share one xdist process, so that
+their model-holding child processes (Ray actors, notebook kernels) never run at the same
+time: next to the Qwen process they did, and Ray's memory monitor killed the actors at 95 %
+of 23.5 GB (full suite, 2026-12-04: six test_ray failures, none when run apart).
 """
 
 from __future__ import annotations
@@ -30,13 +34,17 @@ from ensemble_core.testing import tiny_member  # noqa: E402
 
 #: Test files that load the real Qwen2.5-Coder member: one xdist process runs them all.
 QWEN_FILES = ("test_qwen_real.py", "test_trio_real.py", "test_agents.py", "test_demo.py")
+#: Test files whose models live in child processes (Ray actors, notebook kernels): one xdist process runs them.
+OWN_PROCESS_FILES = ("test_ray.py", "test_notebooks.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group tests for ``--dist loadgroup``: by file (a file's models load once), the Qwen files together."""
+    """Group tests for ``--dist loadgroup``: by file (a file's models load once), the Qwen files together,
+    the files with model-holding child processes together."""
     for item in items:
         name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("qwen-real" if name in QWEN_FILES else name))
+        group = "qwen-real" if name in QWEN_FILES else "child-processes" if name in OWN_PROCESS_FILES else name
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

@@ -113,8 +113,8 @@ def test_prompt_lookup_guesses_only_while_few_requests_decode(method: str, llama
 
 def test_guesses_now_counts_the_requests_decoding_together() -> None:
     from ensemble_core.decoding.lookup import guesses_now
-    from ensemble_core.options import PromptLookupOptions
     from ensemble_core.decoding.scheduler import Binding, bound, concurrent_requests
+    from ensemble_core.options import PromptLookupOptions
 
     assert concurrent_requests() == 1 and guesses_now(4, 1) == 4  # unbatched: alone
     batcher = Batcher()
