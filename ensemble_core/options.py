@@ -192,3 +192,44 @@ class PromptLookupOptions:
         check_int("prompt_lookup", self.prompt_lookup, 0, expected="an integer >= 0 (0: one token per pass)")
         check_int("prompt_lookup_max_requests", self.prompt_lookup_max_requests, 1, optional=True,
                   expected="an integer >= 1, or None to guess at any number of concurrent requests")
+
+
+# ----------------------------------------------------------------------------- reliability
+#: Where a member's vote comes from (:mod:`ensemble_core.methods.reliability`).
+RELIABILITY_MODES = ("prior", "none")
+RELIABILITY_WEIGHTS_EXPECTED = ("None, a list with one weight >= 0 per member, or a {member name: weight} mapping "
+                                "(members left out weigh 1; e.g. what methods.reliability.calibrate returns); "
+                                "at least one weight > 0")
+
+
+@dataclass(frozen=True)
+class ReliabilityOptions:
+    """How much each member's vote counts (every ensemble method; :mod:`ensemble_core.methods.reliability`).
+
+    ``reliability``: ``"prior"`` (default): each member weighs in proportion to its body
+    size (parameters outside the embeddings and the output head), and a member without its
+    own chat template, which answers a chat prompt through the fallback transcript, weighs
+    ``template_penalty`` times that; SpecEM's Hedge starts from these weights and goes on
+    learning from verification. ``"none"``: every member weighs the same, as published.
+    ``reliability_weights``: per-member weights measured on the user's own questions
+    (:func:`~ensemble_core.methods.reliability.calibrate`; a list in member order or a
+    ``{name: weight}`` mapping, members left out weigh 1); they replace the prior, a weight
+    of 0 takes the member's vote away. An explicit ``fusion_weights`` (SAFE, every-token)
+    wins over both.
+    """
+
+    reliability: str = "prior"
+    reliability_weights: Any = None
+    template_penalty: float = 0.25
+
+    def __post_init__(self) -> None:
+        next_post_init(ReliabilityOptions, self)
+        check_choice("reliability", self.reliability, RELIABILITY_MODES)
+        check_number("template_penalty", self.template_penalty, 0, 1, above=True,
+                     expected="a number in (0, 1] (1: a member without a chat template weighs as its size says)")
+        try:
+            weights = normalize_weight_option(self.reliability_weights)
+        except InvalidOptionError:
+            raise InvalidOptionError("reliability_weights", self.reliability_weights,
+                                     RELIABILITY_WEIGHTS_EXPECTED) from None
+        object.__setattr__(self, "reliability_weights", weights)

@@ -33,7 +33,7 @@ from ensemble_core import Member  # noqa: E402
 from ensemble_core.testing import tiny_member  # noqa: E402
 
 #: Test files that load the real Qwen2.5-Coder member: one xdist process runs them all.
-QWEN_FILES = ("test_qwen_real.py", "test_trio_real.py", "test_agents.py", "test_demo.py")
+QWEN_FILES = ("test_qwen_real.py", "test_trio_real.py", "test_agents.py", "test_demo.py", "test_reliability.py")
 #: Test files whose models live in child processes (Ray actors, notebook kernels): one xdist process runs them.
 OWN_PROCESS_FILES = ("test_ray.py", "test_notebooks.py")
 

@@ -58,7 +58,9 @@ def total_rows_fed(results: list) -> int:
 @pytest.mark.parametrize("method", METHODS)
 def test_batched_greedy_outputs_equal_unbatched(method: str, llama: Member, gemma: Member) -> None:
     members = members_for(method, llama, gemma)
-    options = {"max_new_tokens": 10}
+    # the published uniform votes: the slab counts below were measured on their texts (under 2-core
+    # contention every-token with the prior's weights kept no rows in place in 3 of 3 runs; alone it did)
+    options = {"max_new_tokens": 10, **({} if method == "single" else {"reliability": "none"})}
     alone = Ensemble(members, method=method, batching=False, **options)
     together = Ensemble(members, method=method, **options)
     expected = alone.batch(PROMPTS)
@@ -99,7 +101,8 @@ def test_prompt_lookup_guesses_only_while_few_requests_decode(method: str, llama
     so by default (``prompt_lookup_max_requests=1``) a drafter guesses only while its request
     decodes alone; None guesses at any load. The texts are the unbatched ones either way."""
     prompts = [f"Repeat: {w} {w} {w} {w} {w} {w} {w} {w} {w} {w}." for w in ("la", "do", "mi", "so")]
-    options = {"max_new_tokens": 16, "prompt_lookup": 4}
+    # uniform votes (reliability="none"): the recorded guess counts are of the published fusion
+    options = {"max_new_tokens": 16, "prompt_lookup": 4, "reliability": "none"}
     alone = Ensemble([llama, gemma], method=method, batching=False, **options)
     expected = [alone.generate(p).text for p in prompts]
     passes = {}

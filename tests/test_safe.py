@@ -137,7 +137,7 @@ def test_bad_config_values_raise_typed_errors(option: str, value: Any) -> None:
 def test_defaults_and_member_checks(tiny_llama: Member, tiny_gemma: Member) -> None:
     c = SafeConfig()
     assert (c.drafter, c.lookahead, c.distribution, c.top_k, c.consensus_threshold, c.sharpening, c.margin) == (
-        0, 5, "unite", 10, 0.5, "heuristic", 5)
+        None, 5, "unite", 10, 0.5, "heuristic", 5)  # drafter None: the most reliable member (tests/test_reliability.py)
     assert not c.do_sample
     with pytest.raises(InvalidOptionError):
         SafeEnsemble([tiny_llama, tiny_gemma], drafter=2)
@@ -177,7 +177,9 @@ def test_ensembles_at_a_shared_boundary_and_can_overrule_the_drafters_eos(tiny_l
                                                                           tiny_gemma: Member) -> None:
     drafter = scripted(tiny_llama, "That is Incorrect.", confidence=0.6)
     verifier = scripted(tiny_gemma, " That is wrong.", confidence=0.9)
-    method = checked(SafeEnsemble([drafter, verifier], max_new_tokens=20))
+    # the published uniform vote (with the default prior Gemma, which has no chat template, weighs 0.2:
+    # tests/test_reliability.py)
+    method = checked(SafeEnsemble([drafter, verifier], max_new_tokens=20, reliability="none"))
     result = method.generate("Is 2 + 2 = 5?")
     # after "That is" the members disagree (average 0.3 < 0.5): fused " wrong" 0.45 beats " Inc" 0.3;
     # then the drafter (off its script) wants EOS with 0.6, the verifier "." with 0.9: "." wins.

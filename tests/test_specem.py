@@ -138,9 +138,13 @@ def test_views_stay_in_sync_with_a_verifier_only_member(tiny_pair: list[Member])
 
 def test_hedge_off_keeps_weights_uniform(tiny_pair: list[Member]) -> None:
     third = tiny_member("smollm2-135m-instruct", seed=7)
-    result = SpecEMEnsemble([*tiny_pair, third], hedge=False, max_new_tokens=24, segment_length=4).generate("Hi")
+    result = SpecEMEnsemble([*tiny_pair, third], hedge=False, max_new_tokens=24, segment_length=4,
+                            reliability="none").generate("Hi")
     assert result.stats["rounds"] >= 2
     assert all(w == pytest.approx([1 / 3] * 3) for w in result.stats["weight_trajectory"])
+    # with the default prior Hedge off keeps the prior (the tiny Gemma has no chat template: a quarter)
+    prior = SpecEMEnsemble([*tiny_pair, third], hedge=False, max_new_tokens=24, segment_length=4).generate("Hi")
+    assert all(w == pytest.approx([4 / 9, 1 / 9, 4 / 9]) for w in prior.stats["weight_trajectory"])
 
 
 def test_single_drafter_output_with_stop_string_and_budget(tiny_pair: list[Member]) -> None:

@@ -82,8 +82,13 @@ def test_fusion_weights_let_the_strong_member_outvote_two_weak_ones(trio: list[M
     problem = next(p for p in pool if p.id == "arith-5")
     prompt = cot_prompt(problem.question, pool[-2:][::-1])  # the bench's two shots (the far end of the set)
     texts = {}
+    # SmolLM2 drafting (member 0), as when this was recorded; the published uniform votes, then Qwen weighted
     for weights in (None, {trio[2].name: 2.0}):
-        ens = Ensemble(trio, method="safe", max_new_tokens=12, stop=["\nQuestion:"], fusion_weights=weights)
+        ens = Ensemble(trio, method="safe", drafter=0, max_new_tokens=12, stop=["\nQuestion:"],
+                       fusion_weights=weights, reliability="none")
         texts[weights is None] = ens.generate(prompt).text
     assert score(texts[False], problem.answer)[1], texts  # weighted: Qwen's answer
     assert texts[True] != texts[False]  # the weights, not chance, decided it (uniform: "6 + 2 = 8")
+    # the default reliability prior (Qwen 0.73 of the vote) gets there without hand-set weights
+    prior = Ensemble(trio, method="safe", drafter=0, max_new_tokens=12, stop=["\nQuestion:"]).generate(prompt)
+    assert score(prior.text, problem.answer)[1] and prior.stats["reliability"] == "prior", prior.text

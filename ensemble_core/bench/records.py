@@ -6,6 +6,7 @@ Records read the methods' typed statistics by their fixed keys
 
 from __future__ import annotations
 
+import random
 import statistics
 import traceback
 from collections.abc import Mapping, Sequence
@@ -119,12 +120,85 @@ def summarize_rows(rows: list[Row], records: list[dict[str, Any]]) -> dict[str, 
             "et": et_total, "corrupted": sum(r["corrupted"] for r in ok), "finish_reasons": finish,
         }
     fast, slow = fast_slow(out)
+    for label, check in vs_best_member(out, records).items():
+        out[label]["vs_best_member"] = check
     by_member = {v["member"]: v for v in out.values() if v["kind"] == "single"}
     for v in out.values():
         own = by_member.get(v["drafter"]) if v["drafter"] else None
         for suffix, ref in (("fast", fast), ("slow", slow), ("drafter", own)):
             v[f"ratio_to_{suffix}"] = _ratio(v["s_per_100_chars"], ref["s_per_100_chars"] if ref else None)
             v[f"latency_ratio_to_{suffix}"] = _ratio(v["mean_latency_s"], ref["mean_latency_s"] if ref else None)
+    return out
+
+
+# ============================================================================ a weak member
+#: Resamples and seed of the accuracy difference's paired bootstrap (as ``intervals.ratio_interval``).
+BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 2000, 0
+
+
+def accuracy_difference(pairs: Sequence[tuple[bool, bool]], level: float = 0.95,
+                        resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> tuple[float, float, float] | None:
+    """``(difference, low, high)``: accuracy of A minus accuracy of B over paired questions (``(a_correct,
+    b_correct)`` per question) and its percentile-bootstrap interval (questions drawn with replacement,
+    both rows on the same draw: a hard question is hard for both). None for fewer than two questions."""
+    n = len(pairs)
+    if n < 2:
+        return None
+    deltas = [int(a) - int(b) for a, b in pairs]
+    rng = random.Random(seed)
+    draws = sorted(sum(deltas[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return sum(deltas) / n, draws[int(tail * (resamples - 1))], draws[int(round((1.0 - tail) * (resamples - 1)))]
+
+
+def _correct_by_question(records: Sequence[dict[str, Any]], label: str) -> dict[str, bool]:
+    return {r["question_id"]: bool(r["correct"]) for r in records if r["method"] == label and "error" not in r}
+
+
+def _settings(row: dict[str, Any]) -> dict[str, Any]:
+    """A row's method options apart from which member drafts (an index, which differs between a set and its subsets)."""
+    return {k: v for k, v in (row.get("config") or {}).items() if k != "drafter"}
+
+
+def vs_best_member(summary: dict[str, dict[str, Any]], records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every ensemble row against its best member alone: is adding members making the answers worse?
+
+    For each ensemble row whose members have ``single`` rows in the run: the most accurate of
+    them (``member``), the difference ensemble minus that member over the questions both
+    answered, its paired-bootstrap 95 % interval (:func:`accuracy_difference`) and a
+    ``status``: ``"below"`` (the whole interval under 0: the ensemble is clearly worse than
+    its best member), ``"above"`` (the whole interval over 0) or ``"tie"``. ``lowered_by``
+    names the members whose removal made the same method (same drafter, same options) more
+    accurate in this run (a ``--subsets`` row); ``weaker`` lists the members less accurate alone than
+    the best one, the suspects when the run has no subset rows.
+    """
+    singles = {v["member"]: (k, v) for k, v in summary.items() if v["kind"] == "single" and v.get("accuracy") is not None}
+    out: dict[str, dict[str, Any]] = {}
+    for label, row in summary.items():
+        members = row.get("members") or []
+        known = [m for m in members if m in singles]
+        if row["kind"] == "single" or row.get("accuracy") is None or not known:
+            continue
+        best = max(known, key=lambda m: singles[m][1]["accuracy"])
+        best_label, best_row = singles[best]
+        mine, theirs = _correct_by_question(records, label), _correct_by_question(records, best_label)
+        pairs = [(mine[q], theirs[q]) for q in mine if q in theirs]
+        diff = accuracy_difference(pairs)
+        status = None
+        if diff is not None:
+            status = "below" if diff[2] < 0 else "above" if diff[1] > 0 else "tie"
+        subsets = [v for k, v in summary.items() if k != label and v["kind"] == row["kind"]
+                   and v.get("drafter") == row.get("drafter") and _settings(v) == _settings(row)
+                   and v.get("accuracy") is not None
+                   and set(v.get("members") or ()) < set(members) and v["accuracy"] > row["accuracy"]]
+        lowered = sorted({m for v in subsets for m in members if m not in v["members"]}, key=members.index)
+        out[label] = {
+            "member": best, "member_accuracy": best_row["accuracy"], "accuracy": row["accuracy"],
+            "difference": None if diff is None else round(diff[0], 4),
+            "interval": None if diff is None else [round(diff[1], 4), round(diff[2], 4)],
+            "questions": len(pairs), "status": status, "lowered_by": lowered,
+            "weaker": [m for m in known if singles[m][1]["accuracy"] < best_row["accuracy"]],
+        }
     return out
 
 

@@ -133,6 +133,7 @@ def write_markdown(path: Path, summary: dict[str, Any]) -> None:
               "questions, because the methods' answers differ in length; the per-question latency ratios are in "
               "summary.json (latency_ratio_to_*). Fast / slow member: the single row with the lowest / highest "
               "time per character.", ""]
+    lines += _weak_member_lines(summary["methods"])
     if summary["skipped"]:
         lines += ["## Skipped methods", ""] + [f"- **{k}**: {v}" for k, v in summary["skipped"].items()] + [""]
     lines += ["## Targets (from the issues; declared in ensemble_core/bench/targets.json)", "",
@@ -145,6 +146,39 @@ def write_markdown(path: Path, summary: dict[str, Any]) -> None:
     lines += ["", "Plots: `latency_per_method.png`, `latency_vs_length.png`, `et_distribution.png`; "
               f"per-question records: `{RESULTS_FILE}`.", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def _pct_points(value: float) -> str:
+    return f"{100 * value:+.0f}"
+
+
+def _weak_member_lines(methods: dict[str, Any]) -> list[str]:
+    """The summary's section on ensembles against their best member (``vs_best_member`` of each row)."""
+    checks = {label: v["vs_best_member"] for label, v in methods.items() if v.get("vs_best_member")}
+    if not checks:
+        return []
+    lines = ["## Ensembles against their best member", "",
+             "Accuracy of each ensemble minus that of its most accurate member alone, on the questions both answered, "
+             "with the paired-bootstrap 95 % interval (percentage points). **below**: the whole interval is under 0, "
+             "the ensemble is clearly worse than its best member; *lowered by*: members whose removal made the same "
+             "method more accurate in this run (subset rows); *weaker alone*: the suspects.", "",
+             "| ensemble | best member (accuracy) | ensemble accuracy | difference (95 % CI) | status | lowered by "
+             "| weaker alone |", "|---|---|---|---|---|---|---|"]
+    flagged = []
+    for label, c in checks.items():
+        ci = f" ({_pct_points(c['interval'][0])} to {_pct_points(c['interval'][1])})" if c["interval"] else ""
+        diff = "–" if c["difference"] is None else _pct_points(c["difference"]) + ci
+        status = c["status"] or "–"
+        if c["accuracy"] < c["member_accuracy"]:
+            flagged.append(label)
+        lines.append(f"| {label} | {c['member']} ({_fmt(c['member_accuracy'], 'pct')}) | {_fmt(c['accuracy'], 'pct')} "
+                     f"| {diff} | {'**below**' if status == 'below' else status} | {', '.join(c['lowered_by']) or '–'} "
+                     f"| {', '.join(c['weaker']) or '–'} |")
+    below = [label for label in flagged if checks[label]["status"] == "below"]
+    lines += ["", f"Less accurate than their best member: {len(flagged)} of {len(checks)} ensemble rows"
+              + (f"; clearly (the whole interval under 0): {', '.join(below)}" if below else "; none clearly")
+              + ". A weak member is what `reliability` (default `prior`) weighs down; see docs/choosing.md.", ""]
+    return lines
 
 
 def write_plots(out: Path, labels: list[str], records: list[dict[str, Any]]) -> list[str]:

@@ -14,6 +14,10 @@ key                meaning (every method)
 ``tokens``         response tokens in the primary member's tokenizer (SAFE: the drafter)
 ``rounds``         ``step`` calls (SAFE: draft/verify rounds, SpecEM: segments, ...)
 ``members``        one :class:`MemberStats` per member, in member order
+``reliability``    where the members' weights come from (ensembles: ``"prior"``,
+                   ``"reliability_weights"``, ``"fusion_weights"`` or ``"none"``; None
+                   for a single model); each member's ``weight`` and ``wins`` are in
+                   ``members`` (:mod:`ensemble_core.methods.reliability`)
 =================  ====================================================================
 
 Token-level methods (SAFE, every-token) add ``ensembled`` (tokens committed by an
@@ -32,7 +36,10 @@ from ensemble_core.decoding.members import DecodeState
 
 @dataclass
 class MemberStats:
-    """Work one member did for one request (from its :class:`~ensemble_core.decoding.members.DecodeStats`)."""
+    """Work one member did for one request (from its :class:`~ensemble_core.decoding.members.DecodeStats`),
+    and what its vote counted for: ``weight`` (its final weight in the ensemble, the weights sum to 1)
+    and ``wins`` (decisions where its own first choice was committed: SAFE's ensemble points,
+    every-token's steps, SpecEM's segments, generate-then-select's answer). None for a single model."""
 
     name: str
     role: str
@@ -40,6 +47,8 @@ class MemberStats:
     tokens_fed: int = 0
     seconds: float = 0.0
     reprefills: int = 0
+    weight: float | None = None
+    wins: int | None = None
 
     @classmethod
     def of(cls, state: DecodeState, role: str) -> MemberStats:
@@ -59,6 +68,7 @@ class RequestStats(Mapping[str, Any]):
     tokens: int = 0
     rounds: int = 0
     members: list[MemberStats] = field(default_factory=list)
+    reliability: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """A plain dict (nested dataclasses become dicts): what leaves the library (JSON, metadata)."""

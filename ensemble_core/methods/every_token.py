@@ -15,23 +15,25 @@ from ensemble_core.decoding.generation import Chunk, EnsembleMethod, GenerationC
 from ensemble_core.decoding.rows import next_row
 from ensemble_core.decoding.stats import MemberStats, TokenLevelStats
 from ensemble_core.decoding.view import MemberView, start_views
-from ensemble_core.options import FusionOptions, check_int
+from ensemble_core.methods.reliability import Votes, member_weights
+from ensemble_core.options import FusionOptions, ReliabilityOptions, check_int
 from ensemble_core.text.alignment import DEFAULT_MARGIN
 from ensemble_core.text.chat import Prompt
 from ensemble_core.text.distributions import (
     Distribution,
     EndOfText,
-    fusion_weights,
     make_distribution,
     sharpen,
 )
 
 
 @dataclass(frozen=True)
-class EveryTokenConfig(GenerationConfig, FusionOptions):
+class EveryTokenConfig(GenerationConfig, FusionOptions, ReliabilityOptions):
     """Every-token ensembling options: the fusion (:class:`~ensemble_core.options.FusionOptions`;
     ``sharpening`` ``"none"`` by default: the published baselines do not sharpen) and the
-    ``margin`` of tokens re-encoded behind the end of the text."""
+    ``margin`` of tokens re-encoded behind the end of the text. Each member's weight in the fusion:
+    :class:`~ensemble_core.options.ReliabilityOptions` (``reliability="prior"`` by default, ``"none"``:
+    the published uniform average; ``fusion_weights`` given wins)."""
 
     margin: int = DEFAULT_MARGIN
 
@@ -46,6 +48,7 @@ class _EveryTokenRequest:
     config: EveryTokenConfig
     fusion: Distribution
     weights: torch.Tensor | None = None  # fusion weights per member (None: uniform)
+    votes: Votes | None = None  # the members' weights and wins, for the stats
     text: str = ""
     ensembled: int = 0
 
@@ -74,8 +77,9 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         key = (config.distribution, config.top_k)
         if key not in self._fusions:
             self._fusions[key] = make_distribution(config.distribution, self.members, config.top_k)
-        weights = fusion_weights(config.fusion_weights, [m.name for m in self.members])
-        return _EveryTokenRequest(start_views(self.members, prompt, config), config, self._fusions[key], weights)
+        weights = member_weights(self.members, config)  # fusion_weights, reliability_weights, the prior or uniform
+        return _EveryTokenRequest(start_views(self.members, prompt, config), config, self._fusions[key],
+                                  weights.tensor(), Votes.start(weights))
 
     def step(self, request: _EveryTokenRequest) -> Chunk:
         config = request.config
@@ -97,7 +101,10 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         # one stream of choices (every member's pipeline shares the generator)
         pipeline = request.views[0].pipeline
         candidates = pipeline.allowed_candidates(candidates) or candidates
-        key = candidates.keys[pipeline.choose(sharpen(candidates, config.sharpening))]
+        chosen = pipeline.choose(sharpen(candidates, config.sharpening))
+        if request.votes is not None:
+            request.votes.count(candidates.member_probs, chosen)
+        key = candidates.keys[chosen]
         if isinstance(key, EndOfText):
             return Chunk("", done=True, finish_reason="eos")
         piece = key.decode("utf-8")
@@ -114,7 +121,11 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         # several tokens of the first member, and a string of special tokens adds no text.
         return TokenLevelStats(
             method=self.name, tokens=tokens, rounds=request.ensembled,
-            members=[MemberStats.of(v.state, "member") for v in request.views],
+            members=self._members_stats(request), reliability=request.votes.source if request.votes else None,
             distribution=request.config.distribution, ensembled=tokens,
         )
 
+    @staticmethod
+    def _members_stats(request: _EveryTokenRequest) -> list[MemberStats]:
+        members = [MemberStats.of(v.state, "member") for v in request.views]
+        return request.votes.annotate(members) if request.votes else members

@@ -15,6 +15,7 @@ from ensemble_core.decoding.lookup import guesses_now
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import GenerateThenSelectStats, MemberStats, roles
 from ensemble_core.decoding.view import MemberView, start_views
+from ensemble_core.methods.reliability import Votes, member_weights
 from ensemble_core.methods.selection import (
     Candidate,
     SelectionConfig,
@@ -42,6 +43,7 @@ class _SelectRequest:
     scores: list[list[float]] = field(default_factory=list)
     chosen: int | None = None
     seconds: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0})
+    votes: Votes | None = None  # the judges' weights (reliability) and the chosen answer's member
 
 
 class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
@@ -50,7 +52,9 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
     The MBR-like latency baseline SpecEM improves on: answers are drafted like SpecEM
     segments of ``max_new_tokens`` tokens (same EOS / stop-string handling, no word
     trimming), scored by every verifier with the same in-line scorer and normalisation
-    as SpecEM (:mod:`ensemble_core.decoding.verify_inline`), and combined with uniform weights.
+    as SpecEM (:mod:`ensemble_core.decoding.verify_inline`), and combined with the judges' weights
+    (:mod:`~ensemble_core.methods.reliability`: the prior by default, uniform with ``reliability="none"``,
+    as published).
     Nothing is streamed before the whole answer is chosen, so the time to the first chunk
     is the total time.
     """
@@ -66,7 +70,8 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
     def begin(self, prompt: Prompt, config: SelectionConfig) -> _SelectRequest:
         drafters, verifiers = resolve_roles(self.members, config)
         return _SelectRequest(start_views(self.members, prompt, config, seeded=True), config, drafters, verifiers,
-                              self.stop_strings(config), use_threads(self.members, config))
+                              self.stop_strings(config), use_threads(self.members, config),
+                              votes=Votes.start(member_weights(self.members, config)))
 
 
     def step(self, request: _SelectRequest) -> Chunk:
@@ -83,9 +88,14 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
         raw = run_all(lambda v: verify(views[v], "", answers, cfg.scoring, v)[0], request.verifiers, request.parallel)
         request.scores = [normalize_scores(r, cfg.normalization) for r in raw]
         request.seconds["verify"] = time.perf_counter() - t1
-        best, _ = select_candidate([1.0 / len(raw)] * len(raw), request.scores)
+        judges = request.votes.weights if request.votes else [1.0] * len(self.members)
+        total = sum(judges[v] for v in request.verifiers)
+        best, _ = select_candidate([judges[v] / total if total > 0 else 1.0 / len(raw) for v in request.verifiers],
+                                   request.scores)
         chosen = answers[best]
         request.chosen = chosen.member
+        if request.votes is not None:
+            request.votes.win(chosen.member)
         text, cut, _, _ = finish_text(views[0], "", chosen.text, cfg.max_new_tokens)
         return Chunk(text, done=True, finish_reason="length" if cut or not chosen.finished else chosen.end)
 
@@ -94,8 +104,7 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
         chosen = request.answers[request.chosen].text if request.chosen is not None else ""
         return GenerateThenSelectStats(
             method=self.name, tokens=self.primary.count_tokens(chosen) if chosen else 0, rounds=1,
-            members=[MemberStats.of(v.state, roles(i, request.drafters, request.verifiers))
-                     for i, v in enumerate(request.views)],
+            members=self._members_stats(request), reliability=request.votes.source if request.votes else None,
             drafters=[names[i] for i in request.drafters], verifiers=[names[i] for i in request.verifiers],
             seconds={k: round(v, 4) for k, v in request.seconds.items()}, chosen=request.chosen,
             answers=[{"member": names[a.member], "tokens": a.tokens, "chars": len(a.text), "end": a.end}
@@ -103,3 +112,8 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
             scores=[[round(s, 6) for s in row] for row in request.scores],
         )
 
+    @staticmethod
+    def _members_stats(request: _SelectRequest) -> list[MemberStats]:
+        members = [MemberStats.of(v.state, roles(i, request.drafters, request.verifiers))
+                   for i, v in enumerate(request.views)]
+        return request.votes.annotate(members) if request.votes else members

@@ -66,7 +66,8 @@ from ensemble_core.decoding.rows import window_probs
 from ensemble_core.decoding.stats import MemberStats, SafeStats
 from ensemble_core.decoding.view import MemberView, start_views
 from ensemble_core.errors import InvalidOptionError
-from ensemble_core.options import FusionOptions, PromptLookupOptions, check_int, check_number
+from ensemble_core.methods.reliability import Votes, member_weights
+from ensemble_core.options import FusionOptions, PromptLookupOptions, ReliabilityOptions, check_int, check_number
 from ensemble_core.text.alignment import (
     DECODE_CONTEXT,
     DEFAULT_MARGIN,
@@ -78,7 +79,6 @@ from ensemble_core.text.chat import Prompt
 from ensemble_core.text.distributions import (
     Distribution,
     EndOfText,
-    fusion_weights,
     make_distribution,
     member_table,
     sharpen,
@@ -89,10 +89,15 @@ GAC_DRAFTER_CONFIDENT = 0.5
 
 
 @dataclass(frozen=True)
-class SafeConfig(GenerationConfig, FusionOptions, PromptLookupOptions):
+class SafeConfig(GenerationConfig, FusionOptions, PromptLookupOptions, ReliabilityOptions):
     """SAFE options (defaults of the published code).
 
-    ``drafter``: index of the drafting member. ``lookahead``: tokens drafted per round
+    ``drafter``: index of the drafting member; None (default): the member with the largest
+    reliability weight (the published default, "the strongest member"; ties and
+    ``reliability="none"``: the first member). The drafter writes the text and the verifiers
+    only veto its uncertain tokens, so a weak drafter's reasoning survives wherever the strong
+    verifier finds its tokens plausible (measured: docs/choosing.md); a fast member drafting
+    (``drafter=<index>``) trades that for speed. ``lookahead``: tokens drafted per round
     (n). ``consensus_threshold``: skip a point when the members' average probability of the
     drafted continuation is at least this (0 never ensembles except to finish a broken
     character; 1 ensembles wherever a verifier disagrees). ``margin``: verifier tokens
@@ -100,7 +105,10 @@ class SafeConfig(GenerationConfig, FusionOptions, PromptLookupOptions):
     ``top_k``, ``sharpening``, default ``"heuristic"`` here, and ``fusion_weights``, which also
     weigh the consensus average) is :class:`~ensemble_core.options.FusionOptions`; the
     drafter's prompt lookup (``prompt_lookup``, ``prompt_lookup_max_requests``) is
-    :class:`~ensemble_core.options.PromptLookupOptions`.
+    :class:`~ensemble_core.options.PromptLookupOptions`. How much each member's vote counts at a
+    point and in the consensus average (``reliability``, default ``"prior"``: by body size, a
+    member without a chat template a quarter of that; ``"none"``: uniform, as published) is
+    :class:`~ensemble_core.options.ReliabilityOptions`; ``fusion_weights`` given wins.
     ``draft_confidence``: end a draft early, after a token the drafter gives less than this
     probability (0: always ``lookahead`` tokens, as published); what transformers' assisted
     generation calls ``assistant_confidence_threshold``. Such a token is where the members
@@ -110,7 +118,7 @@ class SafeConfig(GenerationConfig, FusionOptions, PromptLookupOptions):
     for Gemma-3-270m (docs/benchmarks.md, "Early-ending drafts"), hence not the default.
     """
 
-    drafter: int = 0
+    drafter: int | None = None
     lookahead: int = 5
     consensus_threshold: float = 0.5
     sharpening: str = "heuristic"
@@ -119,7 +127,8 @@ class SafeConfig(GenerationConfig, FusionOptions, PromptLookupOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("drafter", self.drafter, 0)
+        check_int("drafter", self.drafter, 0, optional=True,
+                  expected="a member index >= 0, or None for the member with the largest reliability weight")
         check_number("draft_confidence", self.draft_confidence, 0, 1, below=True,
                      expected="a number in [0, 1) (0: drafts of lookahead tokens)")
         check_int("lookahead", self.lookahead, 1)
@@ -134,6 +143,7 @@ class SafeRequest:
     drafter: int
     fusion: Distribution
     weights: torch.Tensor | None = None  # fusion weights per member (None: uniform)
+    votes: Votes | None = None  # the members' weights and wins, for the stats
     text: str = ""
     counters: SafeStats = field(default_factory=lambda: SafeStats("safe"))  # counted as the request runs
     spent: int = 0  # generation steps: accepted drafter tokens + >= 1 per ensemble-chosen string
@@ -218,13 +228,20 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         self._fusions: dict[tuple[str, int], Distribution] = {}
 
     def _check_drafter(self, config: SafeConfig) -> None:
-        if config.drafter >= len(self.members):
+        if config.drafter is not None and config.drafter >= len(self.members):
             raise InvalidOptionError("drafter", config.drafter, f"a member index in 0..{len(self.members) - 1}")
+
+    def drafter_index(self, config: SafeConfig) -> int:
+        """``config.drafter``, or (None) the member with the largest reliability weight (the first on a tie)."""
+        if config.drafter is not None:
+            return config.drafter
+        weights = member_weights(self.members, config).values
+        return max(range(len(weights)), key=lambda i: (weights[i], -i))
 
     @property
     def primary(self) -> Member:
         """The drafter: max_new_tokens and completion tokens count its tokens."""
-        return self.members[self.config.drafter]
+        return self.members[self.drafter_index(self.config)]
 
     def prompt_tokens(self, request: SafeRequest) -> int:
         return request.views[request.drafter].state.prompt_len
@@ -240,8 +257,10 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
     def begin(self, prompt: Prompt, config: SafeConfig) -> SafeRequest:
         self._check_drafter(config)
         fusion = self.fusion(config.distribution, config.top_k)
-        weights = fusion_weights(config.fusion_weights, [m.name for m in self.members])
-        return SafeRequest(config, start_views(self.members, prompt, config), config.drafter, fusion, weights)
+        weights = member_weights(self.members, config)  # fusion_weights, reliability_weights, the prior or uniform
+        drafter = self.drafter_index(config)
+        return SafeRequest(config, start_views(self.members, prompt, config), drafter, fusion, weights.tensor(),
+                           Votes.start(weights))
 
     def step(self, request: SafeRequest) -> Chunk:
         request.counters.rounds += 1
@@ -427,7 +446,10 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
             # the verifiers scored without the loop penalty and the closing pressure: apply both by text
             candidates = pipeline.reweighted(allowed, prefix)
         scores = sharpen(candidates, request.config.sharpening)
-        return candidates.keys[pipeline.choose(scores)], prefixes
+        chosen = pipeline.choose(scores)
+        if request.votes is not None:
+            request.votes.count(candidates.member_probs, chosen)
+        return candidates.keys[chosen], prefixes
 
     def _accept(self, request: SafeRequest, draft: _Draft, count: int) -> None:
         """Keep the first ``count`` drafted text tokens (they end on a valid boundary)."""
@@ -488,8 +510,13 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         """The counters kept during the request, completed with the totals and the members' work."""
         return dataclasses.replace(
             request.counters, method=self.name, tokens=len(request.views[request.drafter].tokens),
-            members=[MemberStats.of(v.state, "drafter" if i == request.drafter else "verifier")
-                     for i, v in enumerate(request.views)],
+            members=self._members_stats(request), reliability=request.votes.source if request.votes else None,
             distribution=request.config.distribution, drafter=request.views[request.drafter].member.name,
             sharpening=request.config.sharpening,
         )
+
+    @staticmethod
+    def _members_stats(request: SafeRequest) -> list[MemberStats]:
+        members = [MemberStats.of(v.state, "drafter" if i == request.drafter else "verifier")
+                   for i, v in enumerate(request.views)]
+        return request.votes.annotate(members) if request.votes else members

@@ -38,7 +38,7 @@ from ensemble_core.decoding.verify_inline import (
 )
 from ensemble_core.decoding.view import MemberView
 from ensemble_core.errors import ConfigurationError, InvalidOptionError
-from ensemble_core.options import PromptLookupOptions, check_bool, check_choice, is_int
+from ensemble_core.options import PromptLookupOptions, ReliabilityOptions, check_bool, check_choice, is_int
 from ensemble_core.text import alignment
 from ensemble_core.text.alignment import REPLACEMENT_CHAR, Tokenized
 
@@ -58,7 +58,7 @@ def _check_members_spec(name: str, value: Any) -> tuple[int | str, ...] | None:
 
 
 @dataclass(frozen=True)
-class SelectionConfig(GenerationConfig, PromptLookupOptions):
+class SelectionConfig(GenerationConfig, PromptLookupOptions, ReliabilityOptions):
     """How candidates are drafted and cross-scored (shared by SpecEM and generate-then-select).
 
     ``scoring``: ``"logprob"`` (mean token log-probability; comparable across verifiers
@@ -70,6 +70,9 @@ class SelectionConfig(GenerationConfig, PromptLookupOptions):
     they sit on different devices, or on a multi-core CPU). Each drafter's prompt lookup
     (``prompt_lookup``, ``prompt_lookup_max_requests``) is
     :class:`~ensemble_core.options.PromptLookupOptions`: the same candidates in fewer passes.
+    How much each verifier's judgement counts (``reliability``, default ``"prior"``; ``"none"``:
+    uniform, as published) is :class:`~ensemble_core.options.ReliabilityOptions`
+    (:mod:`~ensemble_core.methods.reliability`).
     """
 
     scoring: str = "logprob"

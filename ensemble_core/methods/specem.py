@@ -54,6 +54,7 @@ from ensemble_core.decoding.lookup import guesses_now
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import MemberStats, SpecEMStats, roles
 from ensemble_core.decoding.view import MemberView, start_views
+from ensemble_core.methods.reliability import Votes, member_weights
 from ensemble_core.methods.selection import (
     Candidate,
     SelectionConfig,
@@ -84,6 +85,9 @@ class SpecEMConfig(SelectionConfig):
     a clearly losing member's weight by a few tens of percent over a typical answer.
     ``reward``: ``"win-rate"`` (``count / (K-1)^2``, default: it learns for every K) or
     ``"published"`` (``max(count, 1) / (K-1)^2``: constant for a pair, see the module docstring).
+    Hedge's starting weights: ``reliability`` (:class:`~ensemble_core.options.ReliabilityOptions`;
+    default ``"prior"``: by body size, a member without a chat template a quarter of that;
+    ``"none"``: uniform, as published; or ``reliability_weights`` from a calibration).
     """
 
     segment_length: int = 10
@@ -134,8 +138,10 @@ def hedge_step(eta: float, verifiers: int, t: int, decay: str = "inverse") -> fl
 
 
 def hedge_update(weights: Sequence[float], rewards: Sequence[float], eta_t: float) -> list[float]:
-    """Multiplicative-weights update, renormalised (computed in log space: no overflow)."""
-    logs = [math.log(w) + eta_t * r for w, r in zip(weights, rewards)]
+    """Multiplicative-weights update, renormalised (computed in log space: no overflow).
+
+    A weight of 0 (a member a calibration took the vote from) stays 0."""
+    logs = [math.log(w) + eta_t * r if w > 0 else -math.inf for w, r in zip(weights, rewards)]
     top = max(logs)
     exps = [math.exp(v - top) for v in logs]
     total = sum(exps)
@@ -162,6 +168,7 @@ class SpecEMRequest:
     fallbacks: int = 0
     abstentions: int = 0
     segment_chars: list[int] = field(default_factory=list)
+    votes: Votes | None = None  # the members' starting weights (their source) for the stats
 
 
 class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
@@ -178,9 +185,9 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
     def begin(self, prompt: Prompt, config: SpecEMConfig) -> SpecEMRequest:
         drafters, verifiers = resolve_roles(self.members, config)
         views = start_views(self.members, prompt, config, seeded=True)
-        k = len(verifiers)
-        return SpecEMRequest(views, config, drafters, verifiers, [1.0 / k] * k, self.stop_strings(config),
-                             use_threads(self.members, config), wins=[0] * len(self.members))
+        weights = member_weights(self.members, config)  # Hedge starts from the prior (uniform: reliability="none")
+        return SpecEMRequest(views, config, drafters, verifiers, weights.of(verifiers), self.stop_strings(config),
+                             use_threads(self.members, config), wins=[0] * len(self.members), votes=Votes.start(weights))
 
 
     def step(self, request: SpecEMRequest) -> Chunk:
@@ -241,8 +248,7 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
         return SpecEMStats(
             method=self.name, tokens=self.primary.count_tokens(request.text + request.last) if request.text + request.last else 0,
             rounds=request.rounds,
-            members=[MemberStats.of(v.state, roles(i, request.drafters, request.verifiers))
-                     for i, v in enumerate(request.views)],
+            members=self._members_stats(request), reliability=request.votes.source if request.votes else None,
             drafters=[names[i] for i in request.drafters], verifiers=[names[i] for i in request.verifiers],
             seconds={k: round(v, 4) for k, v in request.seconds.items()},
             segment_length=cfg.segment_length, scoring=cfg.scoring, normalization=cfg.normalization, hedge=cfg.hedge,
@@ -252,3 +258,15 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
             segment_chars=list(request.segment_chars), boundary_fallbacks=request.fallbacks,
             abstentions=request.abstentions,
         )
+
+    @staticmethod
+    def _members_stats(request: SpecEMRequest) -> list[MemberStats]:
+        """Each member's work, its final Hedge weight (0 for a member that only drafts) and its chosen segments."""
+        members = [MemberStats.of(v.state, roles(i, request.drafters, request.verifiers))
+                   for i, v in enumerate(request.views)]
+        final = [0.0] * len(members)
+        for i, w in zip(request.verifiers, request.weights):
+            final[i] = w
+        for stats, weight, wins in zip(members, final, request.wins):
+            stats.weight, stats.wins = round(weight, 6), wins
+        return members
