@@ -68,6 +68,10 @@ class ScriptedLM(torch.nn.Module):
     def device(self) -> torch.device:
         return self.inner.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inner.dtype
+
     def get_output_embeddings(self) -> Any:
         return self.inner.get_output_embeddings()
 

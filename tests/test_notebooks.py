@@ -29,7 +29,9 @@ def test_notebooks_exist_and_are_stripped() -> None:
             if cell.cell_type == "code":
                 assert cell.outputs == [] and cell.execution_count is None, f"{name} has stored outputs"
                 limits = [int(n) for n in re.findall(r"max_(?:new_)?tokens=(\d+)", cell.source)]
-                assert all(n <= 32 for n in limits), f"{name}: keep notebook limits <= 32 tokens ({limits})"
+                # CI time: short replies; 48 where an agent's call and answer must fit (Qwen's call is ~25 tokens)
+                assert all(n <= (48 if name == "agents.ipynb" else 32) for n in limits), \
+                    f"{name}: keep notebook limits <= 32 tokens (48 in agents.ipynb) ({limits})"
 
 
 @pytest.mark.real

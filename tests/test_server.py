@@ -484,8 +484,9 @@ def test_timeout_whole_and_streamed_in_process(direct_build: Any) -> None:
 
 def test_calls_in_any_format_and_invalid_calls_in_process() -> None:
     """Auto mode through the server (a scripted member): a fenced call is ``tool_calls``; a call that breaks
-    the tool's schema has no ``tool_calls``, finishes ``stop``, keeps its text, and its error is in
-    ``ensemble.invalid_tool_calls``; the same whole and streamed."""
+    the tool's schema (free decoding: ``ensemble.lazy_tool_grammar=false``; under the lazy grammar a started
+    call always matches) has no ``tool_calls``, finishes ``stop``, keeps its text, and its error is in
+    ``ensemble.invalid_tool_calls``; streamed, its pieces end in text no JSON reader accepts."""
     from fastapi.testclient import TestClient
     from test_llamaindex_agent import ScriptedLM
 
@@ -500,7 +501,7 @@ def test_calls_in_any_format_and_invalid_calls_in_process() -> None:
     tools = [{"type": "function", "function": {"name": "multiply", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
     with TestClient(create_app(ensemble=Ensemble([member], method="single", max_new_tokens=64))) as tc:
-        body = {"messages": HELLO, "tools": tools}
+        body = {"messages": HELLO, "tools": tools, "ensemble": {"lazy_tool_grammar": False}}
         called, broken = (tc.post("/v1/chat/completions", json=body).json()["choices"][0] for _ in range(2))
         assert called["finish_reason"] == "tool_calls" and called["message"]["content"] is None
         assert json.loads(called["message"]["tool_calls"][0]["function"]["arguments"]) == {"a": 6, "b": 7}
@@ -514,7 +515,10 @@ def test_calls_in_any_format_and_invalid_calls_in_process() -> None:
         with tc.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
             events = sse_events(r.iter_lines())
         chunks = [e for e in events if e != "[DONE]"]
-        assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks if c["choices"])
+        pieces = [p for c in chunks if c["choices"] for p in c["choices"][0]["delta"].get("tool_calls", [])]
+        assert pieces[0]["function"]["name"] == "multiply"
+        with pytest.raises(json.JSONDecodeError):
+            json.loads("".join(p["function"]["arguments"] for p in pieces))
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
         assert "required" in chunks[-1]["ensemble"]["invalid_tool_calls"][0]["error"]
     assert broken["finish_reason"] == "stop" and broken["message"]["content"] == hot

@@ -87,8 +87,11 @@ __all__ = [
     "Checkpoint",
     "CompiledConstraint",
     "ConstraintState",
+    "GrammarConstraint",
     "JsonConstraint",
     "bounded_integers",
+    "call_format_constraint",
+    "call_schema",
     "compile_constraint",
     "compile_for_member",
     "check_tools",
@@ -250,6 +253,18 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], choice: str | Mappi
         if choice not in names:
             raise UnknownToolError(str(choice), names)
         specs = [s for s in specs if s["name"] == choice]
+    return JsonConstraint(call_schema(specs))
+
+
+def call_schema(specs: Sequence[Mapping[str, Any]], root: str = "#") -> dict[str, Any]:
+    """The JSON Schema of one call ``{"name": <tool>, "arguments": {...}}`` of one of the bare function ``specs``.
+
+    Shared by the forced call (:func:`tool_call_constraint`, the whole reply) and the lazy
+    grammar of ``tool_choice="auto"`` (:func:`call_format_constraint`, the call inside free
+    text), so that a call the model chose is held to the same rule as a forced one. ``root``
+    is where the schema sits in the final grammar (its ``$ref`` pointers are rebased there).
+    Each tool's parameters are checked on their own first, so that an error names the tool.
+    """
     branches = []
     for spec in specs:
         params = tool_parameters(spec)  # the schema validation checks free calls against too
@@ -257,10 +272,54 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], choice: str | Mappi
             JsonConstraint(params)  # names the tool when its parameters are the problem
         except InvalidSchemaError as e:
             raise located(e, f"tool {spec['name']!r} parameters") from e
-        where = "#/properties/arguments" if len(specs) == 1 else f"#/anyOf/{len(branches)}/properties/arguments"
+        where = f"{root}/properties/arguments" if len(specs) == 1 else f"{root}/anyOf/{len(branches)}/properties/arguments"
         branches.append({"type": "object", "properties": {"name": {"const": spec["name"]}, "arguments": _rebased(params, where)},
                          "required": ["name", "arguments"], "additionalProperties": False})
-    return JsonConstraint(branches[0] if len(branches) == 1 else {"anyOf": branches})
+    return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+
+@dataclass(frozen=True)
+class GrammarConstraint:
+    """A constraint given as a Lark grammar in llguidance's dialect (``%json {...}`` embeds a JSON Schema).
+
+    What the lazy tool-call grammar uses for a call *inside* free text: the call's opener or
+    closer around its JSON (``<tool_call>`` ... ``</tool_call>``, a fence), see
+    :func:`call_format_constraint`. Checked when made, like :class:`JsonConstraint`;
+    compiled per member by :func:`compile_constraint`.
+    """
+
+    lark: str
+    key: str = field(init=False, repr=False)
+    grammar: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        llg = _llguidance()
+        grammar = llg.LLMatcher.grammar_from_lark(self.lark)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+        if is_error:
+            raise InvalidSchemaError(messages[0] if messages else "the grammar engine rejected it", _SCHEMA_FIX)
+        object.__setattr__(self, "key", self.lark)
+        object.__setattr__(self, "grammar", grammar)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+def call_format_constraint(specs: Sequence[Mapping[str, Any]], before: str = "", after: str = "") -> GrammarConstraint:
+    """One call of one of ``specs`` (bare function specs) as JSON, between ``before`` and ``after`` (Lark snippets).
+
+    ``before`` / ``after`` are what the call format writes around the JSON, e.g. for
+    Qwen's tags ``WS?`` and ``WS? "</tool_call>"`` (the opener is the trigger, already
+    written when the grammar starts). ``WS`` is up to :data:`MAX_WHITESPACE` characters of
+    JSON whitespace; inside the JSON the same conventions hold as for a forced call
+    (property order, closed arguments, bounded integers).
+    """
+    schema = bounded_integers(call_schema(specs))
+    schema["x-guidance"] = dict(_COMPILE_OPTIONS)
+    lark = (f"%llguidance {{}}\nstart: {before} call {after}\n"
+            f"WS: /[ \\t\\r\\n]{{1,{MAX_WHITESPACE}}}/\n"
+            f"call: %json {json.dumps(schema, ensure_ascii=False)}\n")
+    return GrammarConstraint(lark)
 
 
 def _rebased(schema: Any, root: str) -> Any:
@@ -411,7 +470,8 @@ class CompiledConstraint:
     :class:`ConstraintState` in microseconds (a copy of a pristine matcher).
     """
 
-    def __init__(self, constraint: JsonConstraint, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, constraint: JsonConstraint | GrammarConstraint, tokenizer: Any, vocab_size: int,
+                 eos_token_ids: frozenset[int]) -> None:
         llg = _llguidance()
         self.constraint = constraint
         self.vocab_size = int(vocab_size)
@@ -472,11 +532,12 @@ def _closing_signs(tokenizer: Any, vocab_size: int, eos: frozenset[int], inside:
 
 
 @functools.lru_cache(maxsize=128)
-def _compile_cached(constraint: JsonConstraint, tokenizer: Any, vocab_size: int, eos: frozenset[int]) -> CompiledConstraint:
+def _compile_cached(constraint: JsonConstraint | GrammarConstraint, tokenizer: Any, vocab_size: int,
+                    eos: frozenset[int]) -> CompiledConstraint:
     return CompiledConstraint(constraint, tokenizer, vocab_size, eos)
 
 
-def compile_constraint(constraint: JsonConstraint, tokenizer: Any, vocab_size: int,
+def compile_constraint(constraint: JsonConstraint | GrammarConstraint, tokenizer: Any, vocab_size: int,
                        eos_token_ids: Iterable[int] | None = None) -> CompiledConstraint:
     """Compile (or fetch from the LRU cache) ``constraint`` for one member's tokenizer.
 
@@ -486,7 +547,7 @@ def compile_constraint(constraint: JsonConstraint, tokenizer: Any, vocab_size: i
     default: the tokenizer's EOS). The first compile for a tokenizer reads its vocabulary
     (0.3 s for 49k tokens, about 3 s for 262k); later ones take milliseconds.
     """
-    if not isinstance(constraint, JsonConstraint):
+    if not isinstance(constraint, (JsonConstraint, GrammarConstraint)):
         raise ConstraintError(f"Expected a JsonConstraint, got {type(constraint).__name__}. Wrap the schema: "
                               "JsonConstraint(schema) or tool_call_constraint(tools, choice).")
     if vocab_size <= 0:
@@ -499,7 +560,7 @@ def compile_constraint(constraint: JsonConstraint, tokenizer: Any, vocab_size: i
     return _compile_cached(constraint, tokenizer, int(vocab_size), eos)
 
 
-def compile_for_member(constraint: JsonConstraint, member: Any) -> CompiledConstraint:
+def compile_for_member(constraint: JsonConstraint | GrammarConstraint, member: Any) -> CompiledConstraint:
     """:func:`compile_constraint` with a member's tokenizer, output rows and EOS ids."""
     return compile_constraint(constraint, member.tokenizer, member.vocab_size, member.eos_token_ids)
 

@@ -34,13 +34,16 @@ from ensemble_core.constraints.tool_parsers import (
     ToolCallParser,
     ToolSet,
     json_sequence,
+    new_call_id,
     schema_error,
     schema_validator,
 )
+from ensemble_core.constraints.triggers import call_parts, closed_value, find_text_trigger, trigger_tail
 from ensemble_core.errors import InputError, InvalidOptionError
 
 __all__ = [
-    "CALL_TAG", "JSON_INSTRUCTIONS", "SCHEMA_INSTRUCTIONS", "TOOL_CHOICES", "TOOL_INSTRUCTIONS",
+    "ANSWER_INSTRUCTIONS", "CALL_TAG", "CallDelta", "JSON_INSTRUCTIONS", "SCHEMA_INSTRUCTIONS", "TOOL_CHOICES",
+    "TOOL_INSTRUCTIONS",
     "ReplyStream", "StructuredOutput", "StructuredRequest", "ToolCall", "function_spec", "json_sequence",
     "parse_output", "reply_content", "schema_of", "structured_request", "tool_instructions", "with_instructions",
 ]
@@ -54,6 +57,10 @@ TOOL_INSTRUCTIONS = (
     '{{"name": "<tool name>", "arguments": {{<the arguments>}}}}. '
     "{when}"
 )
+#: Added for every member (its template renders tools or not) once tool results are in the history of an
+#: ``auto`` request: the bundled members' failure mode in agents is calling again instead of answering.
+ANSWER_INSTRUCTIONS = ("Tool results are in the conversation above. If they answer the question, reply in plain "
+                       "text with the answer; do not call a tool again for a result you already have.")
 SCHEMA_INSTRUCTIONS = "Answer with one JSON object that matches this JSON Schema, and nothing else:\n{schema}"
 #: ``response_format={"type": "json_object"}``: any object (a schema of ``{}`` would only confuse a small model).
 JSON_INSTRUCTIONS = "Answer with one JSON object, and nothing else."
@@ -177,10 +184,16 @@ def tool_instructions(request: StructuredRequest) -> str:
 
 
 def with_instructions(messages: list[dict[str, Any]], request: StructuredRequest, native_tools: bool) -> list[dict[str, Any]]:
-    """``messages`` with the request's instructions added to the (first) system message."""
+    """``messages`` with the request's instructions added to the (first) system message.
+
+    Members whose template does not render tools get :func:`tool_instructions`; in ``auto``
+    mode with tool results in the history every member gets :data:`ANSWER_INSTRUCTIONS`.
+    """
     parts = []
     if request.tools and request.choice != "none" and not native_tools:
         parts.append(tool_instructions(request))
+    if request.tools and request.choice == "auto" and any(m.get("role") == "tool" for m in messages):
+        parts.append(ANSWER_INSTRUCTIONS)
     if request.schema is not None and not request.forced_call:
         parts.append(SCHEMA_INSTRUCTIONS.format(schema=json.dumps(request.schema, ensure_ascii=False))
                      if request.schema else JSON_INSTRUCTIONS)
@@ -204,7 +217,10 @@ class StructuredOutput:
       that break the tool's schema (``error`` is the validator's message);
     * ``parse_error``: why a response-format reply is not a valid value: not JSON (``parsed``
       is None), or the validator's message when ``parsed`` breaks the requested schema
-      (``parsed`` keeps the value, as before); None when it matches.
+      (``parsed`` keeps the value, as before); None when it matches;
+    * ``repeated_tool_calls``: calls taken out of ``tool_calls`` because they repeat a call whose
+      result is already in the history (:func:`~ensemble_core.constraints.lazy.drop_repeated_calls`);
+      ``content`` is then the answer written after them.
     """
 
     content: str
@@ -212,6 +228,7 @@ class StructuredOutput:
     parsed: Any = None
     invalid_tool_calls: list[dict[str, Any]] = field(default_factory=list)
     parse_error: str | None = None
+    repeated_tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 def parse_output(text: str, request: StructuredRequest, parser: ToolCallParser | None = None) -> StructuredOutput:
@@ -252,7 +269,7 @@ def reply_content(text: str, output: StructuredOutput | None) -> str:
     A reply with only invalid calls keeps its whole text: the user (or the agent loop)
     sees what the model wrote, and ``invalid_tool_calls`` says why it did not run.
     """
-    return output.content if output is not None and output.tool_calls else text
+    return output.content if output is not None and (output.tool_calls or output.repeated_tool_calls) else text
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -264,53 +281,220 @@ def _tag_start(text: str) -> int:
     return 0
 
 
-class ReplyStream:
-    """Which committed text of a request with tools may be streamed as content, and when.
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a tool call while it is decoded (OpenAI's ``delta.tool_calls[i]``, LangChain's ``ToolCallChunk``).
 
-    * A forced call (``tool_choice`` "any" / "required" / a name) is never text: nothing is
-      streamed, the call arrives whole at the end.
-    * ``tool_choice="auto"``: text is streamed as it comes while the reply cannot (yet) be a
-      call. A reply that starts with ``{`` is held back to the end (it may be a call); text
-      from a ``<tool_call>`` tag on is held back too, as is a tail that may still become
-      that tag, and trailing whitespace (the parsed content is stripped).
-
-    Both adapters and the server stream through it; :meth:`rest` gives the text that
-    completes what was streamed to the final content.
+    The first piece of call ``index`` carries its ``id`` and ``name`` (as soon as the name's
+    string is closed); later pieces carry the ``arguments`` text as it is committed. The
+    concatenated ``arguments`` of a call are the JSON its model wrote; for a call that turns
+    out invalid (cut by the budget, or against its schema) the last piece adds :data:`BREAK`
+    text that no JSON reader completes, so that a client merging the pieces (LangChain
+    completes partial JSON) gets an invalid call, never an executable half of one.
     """
 
-    def __init__(self, forced: bool) -> None:
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class _StreamedCall:
+    index: int
+    id: str
+    fmt: Any
+    start: int  # where the call's grammar text starts in the reply
+    name: str | None = None
+    args_start: int | None = None  # relative to start
+    args_end: int | None = None
+    sent: str = ""  # the arguments text sent so far
+    end: int | None = None  # absolute end of the call (its closer included)
+
+
+def _breaker(sent: str) -> str:
+    """Text that makes ``sent`` + it unreadable even for a lenient (partial) JSON reader: a mismatched ``]``
+    (after a closing quote when ``sent`` ends inside a string)."""
+    inside = escaped = False
+    for c in sent:
+        if inside:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                inside = False
+        elif c == '"':
+            inside = True
+    return ('\\"' if escaped else '"') + "]" if inside else "]"
+
+
+class ReplyStream:
+    """What of a request's committed text is streamed as content, what as tool-call pieces, and when.
+
+    * A forced call (``tool_choice`` "any" / "required" / a name) is never content.
+    * ``tool_choice="auto"``: text is streamed as it comes while the reply cannot (yet) be a
+      call. A call starts at a trigger (:func:`~ensemble_core.constraints.triggers.find_text_trigger`:
+      ``<tool_call>``, a ``{"name"`` line, a fenced call); from its name on it is streamed as
+      :class:`CallDelta` pieces (the name, then the arguments text as it is committed), and
+      content stops: the rest of the text arrives with the last piece (:meth:`rest`). A tail
+      that may still become a trigger is held back (``Let me <tool``), as is trailing
+      whitespace (the parsed content is stripped), and a reply that starts with ``{`` (it may
+      be a call, or a JSON answer).
+    * At the end, :meth:`finish` reconciles the pieces with the parsed reply: a streamed call
+      that parsed keeps its id in the result (so the streamed and the final message agree), one
+      that did not gets :data:`~CallDelta` break text, and calls the stream did not see (a
+      call written where no trigger applies) come whole.
+
+    Both adapters and the server stream through it.
+    """
+
+    def __init__(self, forced: bool, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         self.raw, self.shown, self.holding = "", 0, forced
+        self.tools = ToolSet(tools)
+        self.calls: list[_StreamedCall] = []
+        self.pos = 0
+        self.pending: list[CallDelta] = []
 
     @classmethod
     def for_request(cls, request: StructuredRequest) -> ReplyStream | None:
-        """The hold-back for a request with tools; None when every delta is text (no tools, or ``"none"``)."""
+        """The stream for a request with tools; None when every delta is text (no tools, or ``"none"``)."""
         if not request.tools or request.choice == "none":
             return None
-        return cls(forced=request.forced_call)
+        return cls(forced=request.forced_call, tools=request.tools)
 
     @property
     def text(self) -> str:
         """What has been shown so far."""
         return self.raw[:self.shown]
 
+    @property
+    def streamed_calls(self) -> bool:
+        """Whether any call piece was sent."""
+        return any(c.name is not None for c in self.calls)
+
     def push(self, delta: str) -> str:
-        """Add a committed delta; return the part that may be shown now (possibly empty)."""
+        """Add a committed delta; return the content that may be shown now (call pieces wait in :attr:`pending`)."""
+        text, calls = self.feed(delta)
+        self.pending.extend(calls)
+        return text
+
+    def feed(self, delta: str) -> tuple[str, list[CallDelta]]:
+        """Add a committed delta; return the content to show now and the call pieces to send now."""
+
         self.raw += delta
+        pieces: list[CallDelta] = []
+        first: int | None = None
+        while True:
+            call = self.calls[-1] if self.calls and self.calls[-1].end is None else None
+            if call is not None:
+                pieces.extend(self._advance(call))
+                if call.end is None:
+                    break
+                self.pos = call.end
+                continue
+            found = find_text_trigger(self.raw, self.pos)
+            if found is None:
+                break
+            fmt, m = found
+            if first is None:
+                first = m.start()
+            self.calls.append(_StreamedCall(len(self.calls), new_call_id(), fmt, m.start("g")))
+        return self._content(first), pieces
+
+    def _content(self, first: int | None) -> str:
+
         if self.holding:
             return ""
-        if self.raw.lstrip().startswith("{"):
+        if first is not None:
+            self.holding, end = True, first
+        elif self.raw.lstrip().startswith("{"):
             self.holding = True
             return ""
-        tag = self.raw.find(CALL_TAG)
-        if tag >= 0:
-            self.holding, end = True, tag
         else:
-            end = len(self.raw) - _tag_start(self.raw)
+            end = trigger_tail(self.raw)
         end = len(self.raw[:end].rstrip())
         if end <= self.shown:
             return ""
         out, self.shown = self.raw[self.shown:end], end
         return out
+
+    def _advance(self, call: _StreamedCall) -> list[CallDelta]:
+        """The pieces of ``call`` that the text now allows (see :class:`CallDelta`); marks its end."""
+
+        text = self.raw[call.start:]
+        out: list[CallDelta] = []
+        if call.name is None or call.args_start is None:
+            name, at = call_parts(text)
+            if name is None:
+                return out
+            if call.name is None:
+                call.name = name
+                out.append(CallDelta(call.index, call.id, name))
+            call.args_start = at
+            if at is None:
+                return out
+        assert call.args_start is not None
+        if call.args_end is None:
+            closed = closed_value(text, call.args_start)
+            if closed is not None:
+                call.args_end = closed[1]
+            piece = text[call.args_start + len(call.sent): call.args_end if closed else len(text)]
+            if piece:
+                call.sent += piece
+                out.append(CallDelta(call.index, arguments=piece))
+            if call.args_end is None:
+                return out
+        closer = {"hermes": "</tool_call>", "fence": "```"}.get(call.fmt.name)
+        if closer is None:
+            whole = closed_value(text, 0)
+            if whole is not None:
+                call.end = call.start + whole[1]
+        else:
+            at = text.find(closer, call.args_end)
+            if at >= 0:
+                call.end = call.start + at + len(closer)
+        return out
+
+    def finish(self, output: StructuredOutput | None) -> list[CallDelta]:
+        """The closing pieces once the reply is parsed (see the class docstring); aligns ``output``'s ids."""
+        pieces, self.pending = list(self.pending), []
+        valid = list(output.tool_calls) if output is not None else []
+        invalid = list(output.invalid_tool_calls) if output is not None else []
+        used: set[int] = set()
+        bad: set[int] = set()
+        for call in self.calls:
+            if call.name is None:
+                continue
+            args = self.raw[call.start:][call.args_start:call.args_end] if call.args_end is not None else None
+            read = self.tools.read(call.name, args) if args is not None else None
+            j = next((j for j, c in enumerate(valid) if j not in used and isinstance(read, ToolCall)
+                      and c.name == read.name and c.arguments == read.arguments), None)
+            if j is not None:
+                used.add(j)
+                valid[j] = ToolCall(valid[j].name, valid[j].arguments, call.id)
+                continue
+            pieces.append(CallDelta(call.index, arguments=_breaker(call.sent)))
+            k = next((k for k, c in enumerate(invalid) if k not in bad and c.get("name") == call.name), None)
+            if k is not None:
+                bad.add(k)
+                invalid[k] = {**invalid[k], "id": call.id}
+        index = len(self.calls)
+        for j, c in enumerate(valid):
+            if j not in used:
+                pieces.append(CallDelta(index, c.id, c.name, json.dumps(c.arguments, ensure_ascii=False)))
+                index += 1
+        if output is not None:
+            output.tool_calls[:] = valid
+            output.invalid_tool_calls[:] = invalid
+        return pieces
+
+    def content(self, text: str, output: StructuredOutput | None) -> str:
+        """The reply's final content: without the calls once call pieces were streamed (they are not content),
+        else :func:`reply_content`'s rule."""
+        if output is not None and self.streamed_calls:
+            return output.content
+        return reply_content(text, output)
 
     def rest(self, content: str) -> str:
         """What to send after the streamed text so that the concatenation is ``content``."""

@@ -74,6 +74,15 @@ class GenerationConfig:
     #: (:mod:`ensemble_core.constraints.closing`). None: a quarter of the budget, at least 24 tokens; 0 turns
     #: it off; free text is never pushed.
     close_margin: int | None = None
+    #: ``tool_choice="auto"``: a call the model starts (``<tool_call>``, a ``{"name"`` line, a fenced
+    #: call) is decoded under the call grammar to its end, so it always parses unless the budget cuts
+    #: it (:mod:`ensemble_core.constraints.lazy`). False: free decoding, the reply is only parsed.
+    lazy_tool_grammar: bool = True
+    #: ``tool_choice="auto"``: a call equal (name and arguments) to one whose result is already in
+    #: the history (or to that call fed its own result, or to an earlier call of the reply) makes the
+    #: member answer after it, and the adapters drop it from the calls, so an agent gets an answer
+    #: instead of the same call until its step limit (:mod:`ensemble_core.constraints.lazy`).
+    exclude_repeated_calls: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +106,8 @@ class GenerationConfig:
         object.__setattr__(self, "_structured", request)
         object.__setattr__(self, "_loops", LoopPenalty(multiplier=self.loop_penalty))  # validates loop_penalty
         check_margin(self.close_margin)
+        check_bool("lazy_tool_grammar", self.lazy_tool_grammar)
+        check_bool("exclude_repeated_calls", self.exclude_repeated_calls)
         next_post_init(GenerationConfig, self)  # the option groups a method config adds (ensemble_core.options)
 
     @property

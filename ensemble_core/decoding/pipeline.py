@@ -15,7 +15,13 @@ fusion inputs) and every place that commits text goes through the member's
 4. **choice**: greedy, or a temperature / nucleus sample from the request's seeded generator
    (:func:`~ensemble_core.decoding.generation.choose_token`).
 
-Steps 1-3 act only under a grammar; free text goes straight to the choice. The pipeline also
+Steps 1-3 act only under a grammar; free text goes straight to the choice. With
+``tool_choice="auto"`` the grammar is *lazy* (:mod:`~ensemble_core.constraints.lazy`,
+``calls``): the pipeline follows its member's text for a call's trigger (``<tool_call>``, a
+``{"name"`` line, a fenced call), and only from there to the call's end do steps 1-3 apply,
+under the grammar of one call of the request's tools; an activation inside a draft is undone
+by :meth:`restore` like any grammar move. With ``tool_choice="none"`` the pipeline masks the
+tokens that would complete a trigger. The pipeline also
 carries the grammar's *position*, which follows the committed text: :meth:`accept` advances
 it by a drafted token, :meth:`commit` by any committed text (a verifier's, an ensemble
 point's, another member's segment), :meth:`checkpoint` / :meth:`restore` undo a draft that
@@ -49,17 +55,22 @@ class TokenPipeline:
     config: GenerationConfig
     generator: torch.Generator | None = None
     grammar: Any = None
+    #: The lazy call grammar (:class:`~ensemble_core.constraints.lazy.LazyState`) of an ``auto`` or
+    #: ``none`` request with tools; None otherwise (an eager ``grammar`` and lazy calls never mix).
+    calls: Any = None
 
     @property
     def constrained(self) -> bool:
-        """Whether a grammar shapes this member's tokens."""
-        return self.grammar is not None
+        """Whether a grammar shapes (or may shape) this member's tokens: an eager one, or lazy calls."""
+        return self.grammar is not None or self.calls is not None
 
     # ------------------------------------------------------------------ choosing a token
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Stages 1-3 on ``logits`` (``[V]`` or ``[n, V]`` at the current position): mask, loop penalty,
-        closing pressure. Unchanged (the same tensor) without a grammar."""
-        return logits if self.grammar is None else self.grammar.mask_logits(logits)
+        closing pressure. Unchanged (the same tensor) without a grammar, and in free text before a call."""
+        if self.grammar is not None:
+            return self.grammar.mask_logits(logits)
+        return logits if self.calls is None else self.calls.process(logits)
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
         """The member's next-token probabilities after stages 1-3 (what fusion and drafts compare)."""
@@ -84,28 +95,42 @@ class TokenPipeline:
 
     # ------------------------------------------------------------------ following the text
     def accept(self, token: int) -> None:
-        """Advance the grammar by one of this member's tokens (a drafted or chosen one)."""
+        """Advance the grammar by one of this member's tokens (a drafted or chosen one); lazy calls
+        look for a trigger in its text."""
         if self.grammar is not None:
             self.grammar.accept_token(token)
+        elif self.calls is not None:
+            self.calls.accept(token)
 
     def commit(self, text: str) -> None:
         """Advance the grammar by committed text (any member's; it need not end on a token boundary)."""
         if self.grammar is not None:
             self.grammar.accept_text(text)
+        elif self.calls is not None:
+            self.calls.commit(text)
 
     def checkpoint(self) -> Any:
         """The grammar position now (None without a grammar), to :meth:`restore` after a draft."""
-        return self.grammar.checkpoint() if self.grammar is not None else None
+        if self.grammar is not None:
+            return self.grammar.checkpoint()
+        return self.calls.checkpoint() if self.calls is not None else None
 
     def restore(self, mark: Any) -> None:
-        """Go back to a :meth:`checkpoint` (the grammar follows the committed text, not a draft)."""
-        if self.grammar is not None and mark is not None:
+        """Go back to a :meth:`checkpoint` (the grammar follows the committed text, not a draft): a call
+        that a rejected draft started is forgotten with it."""
+        if mark is None:
+            return
+        if self.grammar is not None:
             self.grammar.restore(mark)
+        elif self.calls is not None:
+            self.calls.restore(mark)
 
     def set_budget(self, left: int | None) -> None:
         """How many budget tokens remain now (the closing pressure grows near the end)."""
         if self.grammar is not None:
             self.grammar.set_budget(left)
+        elif self.calls is not None:
+            self.calls.set_budget(left)
 
     # ------------------------------------------------------------------ ensemble points (texts)
     def allowed_candidates(self, candidates: Candidates, prefix: str = "") -> Candidates | None:
@@ -113,14 +138,18 @@ class TokenPipeline:
 
         Unchanged without a grammar; None when the grammar accepts none of them.
         """
-        if self.grammar is None:
-            return candidates
-        return candidates.subset([grammar_allows(self.grammar, prefix, k) for k in candidates.keys])
+        if self.grammar is not None:
+            return candidates.subset([grammar_allows(self.grammar, prefix, k) for k in candidates.keys])
+        if self.calls is not None:
+            return candidates.subset([self.calls.allows(prefix, None if isinstance(k, EndOfText) else k)
+                                      for k in candidates.keys])
+        return candidates
 
     def reweighted(self, candidates: Candidates, prefix: str = "") -> Candidates:
         """Candidates with the loop penalty and the closing pressure applied by their text (stages 2-3)."""
-        if self.grammar is None:
+        if self.grammar is None and self.calls is None:
             return candidates
         texts = [None if isinstance(k, EndOfText) else k for k in candidates.keys]
-        factors = self.grammar.text_factors(prefix, texts)
+        source = self.grammar if self.grammar is not None else self.calls
+        factors = source.text_factors(prefix, texts) if self.grammar is not None else source.factors(prefix, texts)
         return candidates if factors is None else candidates.reweighted(factors)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ensemble_core.constraints.closing import resolve_margin
 from ensemble_core.constraints.grammar import compile_for_member, request_constraint
+from ensemble_core.constraints.lazy import lazy_calls
 from ensemble_core.decoding.generation import GenerationConfig, make_generator
 from ensemble_core.decoding.members import DecodeState, Member
 from ensemble_core.decoding.pipeline import TokenPipeline
@@ -100,11 +101,15 @@ def start_views(members: Sequence[Member], prompt: Prompt, config: GenerationCon
     member gets its own, seeded ``seed + i``, so that members drafting in parallel threads
     draw reproducibly. A request with tools or a response format renders them into each
     member's prompt; a constrained one (a forced tool call, a schema) gives each member's
-    pipeline its grammar position, compiled for its tokenizer.
+    pipeline its grammar position, compiled for its tokenizer; one with tools and
+    ``tool_choice="auto"`` (or ``"none"``) gives it the lazy call grammar
+    (:mod:`~ensemble_core.constraints.lazy`), with the calls answered in the history excluded.
     """
     structured = config.structured if config.structured.active else None
     constraint = request_constraint(structured) if structured else None
     conversation = normalize_messages(prompt)
+    calls = lazy_calls(config.structured, conversation, config.exclude_repeated_calls, config.lazy_tool_grammar)
+    margin = resolve_margin(config.close_margin, config.max_new_tokens)
     shared = None if seeded else make_generator(config)
     views = []
     for i, m in enumerate(members):
@@ -114,10 +119,11 @@ def start_views(members: Sequence[Member], prompt: Prompt, config: GenerationCon
             generator = make_generator(own)
         messages = m.messages(conversation, structured, normalized=True)
         state = m.start_from_ids(m.prompt_ids(messages, structured, config.max_new_tokens))
-        grammar = None
+        grammar = lazy = None
         if constraint is not None:
-            margin = resolve_margin(config.close_margin, config.max_new_tokens)
             grammar = compile_for_member(constraint, m).start(config.loops, margin)
             grammar.set_budget(config.max_new_tokens)  # methods that commit text tell it again each round
-        views.append(MemberView(m, state, TokenPipeline(config, generator, grammar), m.lead_of(messages)))
+        elif calls is not None:
+            lazy = calls.start(m, config.loops, margin, config.max_new_tokens)
+        views.append(MemberView(m, state, TokenPipeline(config, generator, grammar, lazy), m.lead_of(messages)))
     return views

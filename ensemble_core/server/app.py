@@ -38,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ensemble_core.constraints.structured import reply_content
+from ensemble_core.constraints.structured import CallDelta, reply_content
 from ensemble_core.decoding.generation import GenerationResult
 from ensemble_core.ensemble import Ensemble
 from ensemble_core.errors import (
@@ -77,7 +77,7 @@ from ensemble_core.server.protocol import (
     new_id,
     now,
 )
-from ensemble_core.serving.runtime import api_finish_reason, call_overrides, result_info, usage
+from ensemble_core.serving.runtime import Run, api_finish_reason, asettle, call_overrides, result_info, usage
 from ensemble_core.text.chat import normalize_messages
 
 log = logging.getLogger("ensemble_core.server")
@@ -167,7 +167,9 @@ class Plan:
     features: dict[str, Any]
     stream: bool
     include_usage: bool
-    #: Tool calls are known only at the end: such streams are sent once the generation is complete.
+    #: A request with tools: its stream goes through :meth:`Run.areplies` (content held back where it may
+    #: be a call, tool calls as ``delta.tool_calls`` pieces while decoded), its answer through the
+    #: repeated-call rule (:func:`~ensemble_core.serving.runtime.settle_calls`).
     buffered: bool = False
 
 
@@ -320,6 +322,25 @@ class ChatFormat:
     def usage(self, result: GenerationResult) -> str:
         return sse(self._chunk([], usage=Usage(**usage(result))), {"ensemble"})
 
+    def call_deltas(self, calls: Sequence[CallDelta]) -> str | None:
+        """Tool-call pieces as OpenAI streams them: ``delta.tool_calls[i]`` with ``index``; a call's first
+        piece has its ``id``, ``type`` and ``function.name``, the next ones ``function.arguments`` text
+        that the client appends (a call that did not parse ends in text no JSON reader accepts, and
+        the finish reason is not ``tool_calls``: see ``CallDelta``)."""
+        items = []
+        for c in calls:
+            item: dict[str, Any] = {"index": c.index}
+            if c.id is not None:
+                item.update(id=c.id, type="function")
+            function: dict[str, Any] = {"arguments": c.arguments}
+            if c.name is not None:
+                function["name"] = c.name
+            item["function"] = function
+            items.append(item)
+        if not items:
+            return None
+        return sse(self._chunk([ChunkChoice(delta=ChunkDelta(tool_calls=items))]), self.drop | {"ensemble"})
+
     def buffered(self, result: GenerationResult) -> list[str]:
         """A complete answer as chunks: its text, then its tool calls (as OpenAI streams them, with an index)."""
         out = [self.delta(content(result))] if content(result) else []
@@ -437,16 +458,17 @@ async def answer(request: Request, engine: Engine, plan: Plan, fmt: ChatFormat |
     """Run the generation and answer whole or as server-sent events."""
     generation = engine.start(plan.prompt, plan.overrides, plan.features)
     watcher = DisconnectWatcher(request, generation, engine, fmt.id)
-    deltas = generation.astream()
+    replies = plan.stream and plan.buffered and isinstance(fmt, ChatFormat) and hasattr(generation, "areplies")
+    deltas = generation.areplies() if replies else generation.astream()  # type: ignore[attr-defined]
     try:
-        if not plan.stream or plan.buffered:
+        if not plan.stream or (plan.buffered and not replies):
             await watcher.guard(_drain(deltas))
+            result = await watcher.guard(_settled(generation))
             watcher.done()
-            assert generation.result is not None
             if plan.stream:
-                return StreamingResponse(buffered_events(generation.result, fmt, plan.include_usage),
+                return StreamingResponse(buffered_events(result, fmt, plan.include_usage),
                                          media_type="text/event-stream", headers=SSE_HEADERS)
-            return JSONResponse(fmt.whole(generation.result))
+            return JSONResponse(fmt.whole(result))
         # the first delta (or the end) before the status line: errors in the first round (a prompt too
         # long for a member's window...) are still a proper error status, not an event in a 200 stream
         first = await watcher.guard(_first(deltas))
@@ -458,6 +480,14 @@ async def answer(request: Request, engine: Engine, plan: Plan, fmt: ChatFormat |
         raise
     return StreamingResponse(events(generation, deltas, first, fmt, watcher, plan.include_usage, input_param),
                              media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _settled(generation: Generation) -> GenerationResult:
+    """The finished result as every adapter returns it: calls that repeat an answered call dropped, and then,
+    when nothing is left, the answer asked for (:func:`~ensemble_core.serving.runtime.asettle`)."""
+    result = generation.result
+    assert result is not None
+    return await asettle(generation) if isinstance(generation, Run) else result
 
 
 async def buffered_events(result: GenerationResult, fmt: ChatFormat | CompletionFormat,
@@ -481,10 +511,8 @@ async def events(generation: Generation, deltas: AsyncIterator[str], first: str 
         start = fmt.start()
         if start is not None:
             yield start
-        if first is not None:
-            yield fmt.delta(first)
-        async for delta in deltas:
-            yield fmt.delta(delta)
+        async for event in _delta_events(first, deltas, fmt):
+            yield event
         result = generation.result
         assert result is not None
         complete = True
@@ -505,6 +533,26 @@ async def events(generation: Generation, deltas: AsyncIterator[str], first: str 
             watcher.client_gone()
         watcher.done()
         generation.cancel()
+
+
+async def _delta_events(first: Any, deltas: AsyncIterator[Any], fmt: ChatFormat | CompletionFormat) -> AsyncIterator[str]:
+    """The events of the deltas: text deltas, or (a request with tools) :class:`ReplyChunk`s: content, then
+    tool-call pieces (the last chunk's settled content and closing pieces included)."""
+    async def all_deltas() -> AsyncIterator[Any]:
+        if first is not None:
+            yield first
+        async for delta in deltas:
+            yield delta
+
+    async for delta in all_deltas():
+        if isinstance(delta, str):
+            yield fmt.delta(delta)
+            continue
+        if delta.delta:
+            yield fmt.delta(delta.delta)
+        calls = fmt.call_deltas(delta.calls) if isinstance(fmt, ChatFormat) else None
+        if calls is not None:
+            yield calls
 
 
 def batching_counters(ensemble: Ensemble) -> dict[str, Any] | None:

@@ -40,7 +40,8 @@ from collections.abc import AsyncIterator, Hashable, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
-from ensemble_core.constraints.structured import ReplyStream, reply_content
+from ensemble_core.constraints.lazy import ANSWER_REQUEST, drop_repeated_calls
+from ensemble_core.constraints.structured import CallDelta, ReplyStream, StructuredOutput
 from ensemble_core.decoding.generation import GenerationConfig, GenerationResult
 from ensemble_core.decoding.members import Member
 from ensemble_core.ensemble import Ensemble
@@ -48,7 +49,7 @@ from ensemble_core.errors import ConfigurationError, GenerationCancelled, Genera
 from ensemble_core.methods import config_fields as config_fields_of
 from ensemble_core.models.loading import MemberSpec
 from ensemble_core.options import is_number
-from ensemble_core.text.chat import Prompt
+from ensemble_core.text.chat import Prompt, normalize_messages
 
 #: How many distinct ensembles stay cached (weights are cached separately by the members).
 MAX_ENTRIES = 16
@@ -255,22 +256,103 @@ def clear_shared() -> None:
         _ENSEMBLES.clear()
 
 
+def settle_calls(result: GenerationResult, prompt: Prompt, config: GenerationConfig) -> bool:
+    """Drop from ``result`` the calls that repeat an answered call (``exclude_repeated_calls``, the default,
+    ``tool_choice="auto"`` only: a forced call is what the caller asked for); True when the reply then holds
+    no call and no text, so that the answer must be asked for (:func:`settle`).
+    """
+    structured = result.structured
+    if not (config.exclude_repeated_calls and config.structured.choice == "auto" and structured is not None):
+        return False
+    dropped = drop_repeated_calls(structured, prompt)
+    return bool(dropped) and not structured.tool_calls and not structured.content.strip()
+
+
+def answer_request(run: Run) -> Run:
+    """The run that asks for the answer after a reply that only repeated answered calls.
+
+    The same conversation, one more user turn (:data:`~ensemble_core.constraints.lazy.ANSWER_REQUEST`),
+    the same options with ``tool_choice="none"`` (the tools are not offered and call-shaped text
+    is masked): the bundled members answer there, where right after their own repeated call
+    they wrote timestamps (:mod:`ensemble_core.constraints.lazy`).
+    """
+    messages = [*normalize_messages(run.stream.prompt), {"role": "user", "content": ANSWER_REQUEST}]
+    return Run(run.ensemble, messages, {**run.overrides, "tool_choice": "none"}, run.timeout)
+
+
+def answered(first: GenerationResult, answer: GenerationResult) -> GenerationResult:
+    """One result for the two runs: the answer's text and finish, both runs' tokens and seconds, and
+    the repeated calls of the first."""
+    repeated = list(first.structured.repeated_tool_calls) if first.structured is not None else []
+    return dataclasses.replace(
+        answer, prompt_tokens=first.prompt_tokens + answer.prompt_tokens,
+        completion_tokens=first.completion_tokens + answer.completion_tokens, seconds=first.seconds + answer.seconds,
+        structured=StructuredOutput(answer.text, repeated_tool_calls=repeated))
+
+
+def settle(run: Run) -> GenerationResult:
+    """A finished run's result as the adapters return it: repeated calls dropped, and, when nothing is left,
+    the answer asked for in a turn of its own (:func:`answer_request`). Every non-streaming path reads
+    its reply through it; :meth:`Run.replies` does the same while streaming."""
+    result = run.result
+    assert result is not None
+    if not settle_calls(result, run.stream.prompt, run.stream.config):
+        return result
+    return answered(result, answer_request(run).run())
+
+
+async def asettle(run: Run) -> GenerationResult:
+    """:func:`settle` with the answer generated in a worker thread."""
+    result = run.result
+    assert result is not None
+    if not settle_calls(result, run.stream.prompt, run.stream.config):
+        return result
+    return answered(result, await answer_request(run).arun())
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplyChunk:
     """One piece of a reply as a framework shows it (see :meth:`Run.replies`).
 
-    ``delta`` is the text to show now, ``text`` everything shown so far. The last chunk of a
-    reply carries ``result`` (usage, stats, parsed tool calls): its ``text`` is the reply's
-    final content (without the calls) and its ``delta`` whatever of it was held back.
+    ``delta`` is the text to show now, ``text`` everything shown so far. ``calls`` are tool-call
+    pieces to send now (:class:`~ensemble_core.constraints.structured.CallDelta`: a call's index,
+    id and name once its name is written, then its arguments text as it is committed). The last
+    chunk of a reply carries ``result`` (usage, stats, parsed tool calls): its ``text`` is the
+    reply's final content (without the calls), its ``delta`` whatever of it was held back, and
+    its ``calls`` the closing pieces (calls the stream did not see, whole; break text for a
+    streamed call that did not parse).
     """
 
     delta: str
     text: str
     result: GenerationResult | None = None
+    calls: tuple[CallDelta, ...] = ()
 
     @property
     def last(self) -> bool:
         return self.result is not None
+
+
+@dataclasses.dataclass
+class _Shown:
+    """What one streamed reply has shown so far (shared by :meth:`Run.replies` and :meth:`Run.areplies`):
+    content goes through ``hold`` (text that may still be a call waits), call pieces pass on."""
+
+    hold: ReplyStream | None
+    text: str = ""
+
+    def reply(self, delta: str) -> ReplyChunk | None:
+        """The chunk for one delta of the reply (None while everything in it is held back)."""
+        piece, calls = self.hold.feed(delta) if self.hold is not None else (delta, [])
+        if not (piece or calls):
+            return None
+        self.text += piece
+        return ReplyChunk(piece, self.text, calls=tuple(calls))
+
+    def answer(self, delta: str) -> ReplyChunk:
+        """The chunk for one delta of the answer asked for after repeated calls (plain text, never held)."""
+        self.text += delta
+        return ReplyChunk(delta, self.text)
 
 
 class Run:
@@ -363,37 +445,58 @@ class Run:
         tool call is held back (:class:`~ensemble_core.constraints.structured.ReplyStream`) and
         the calls arrive with the last chunk. A consumer that stops early cancels the run.
         """
-        hold = ReplyStream.for_request(self.stream.config.structured)
-        shown = ""
+        shown = _Shown(ReplyStream.for_request(self.stream.config.structured))
         try:
             for delta in self:
-                piece = hold.push(delta) if hold is not None else delta
-                if piece:
-                    shown += piece
-                    yield ReplyChunk(piece, shown)
+                if (chunk := shown.reply(delta)) is not None:
+                    yield chunk
         finally:
             self.close()
-        yield self._last_reply(hold, shown)
+        answer = self._answer_run()
+        if answer is not None:  # only repeated calls: the answer, asked for in a turn of its own
+            for delta in answer:
+                yield shown.answer(delta)
+            self._answered(answer)
+        yield self._last_reply(shown, answered=answer is not None)
 
     async def areplies(self) -> AsyncIterator[ReplyChunk]:
         """:meth:`replies` with the model in a worker thread (the event loop stays free)."""
-        hold = ReplyStream.for_request(self.stream.config.structured)
-        shown = ""
+        shown = _Shown(ReplyStream.for_request(self.stream.config.structured))
         async with aclosing(self.astream()) as deltas:
             async for delta in deltas:
-                piece = hold.push(delta) if hold is not None else delta
-                if piece:
-                    shown += piece
-                    yield ReplyChunk(piece, shown)
-        yield self._last_reply(hold, shown)
+                if (chunk := shown.reply(delta)) is not None:
+                    yield chunk
+        answer = self._answer_run()
+        if answer is not None:
+            async with aclosing(answer.astream()) as deltas:
+                async for delta in deltas:
+                    yield shown.answer(delta)
+            self._answered(answer)
+        yield self._last_reply(shown, answered=answer is not None)
 
-    def _last_reply(self, hold: ReplyStream | None, shown: str) -> ReplyChunk:
-        result = self.result
+    def _answer_run(self) -> Run | None:
+        """The run that asks for the answer when the finished reply only repeated answered calls, else None."""
+        assert self.result is not None
+        return answer_request(self) if settle_calls(self.result, self.stream.prompt, self.stream.config) else None
+
+    def _answered(self, answer: Run) -> None:
+        assert self.result is not None and answer.result is not None
+        self.result = answered(self.result, answer.result)
+
+    def _last_reply(self, shown: _Shown, answered: bool = False) -> ReplyChunk:
+        """The closing chunk of a settled result (:func:`settle_calls`). ``answered``: the final text is the
+        answer asked for after repeated calls (already streamed), not the reply's own; the pieces of a
+        streamed repeated call are then broken like any call that did not parse."""
+        result, hold = self.result, shown.hold
         assert result is not None
         if hold is None:
-            return ReplyChunk("", shown, result)
-        content = reply_content(result.text, result.structured)
-        return ReplyChunk(hold.rest(content), content, result)
+            return ReplyChunk("", shown.text, result)
+        calls = tuple(hold.finish(result.structured))
+        if not answered:
+            content = hold.content(result.text, result.structured)
+            return ReplyChunk(hold.rest(content), content, result, calls)
+        content = result.text
+        return ReplyChunk(content[len(shown.text):] if content.startswith(shown.text) else "", content, result, calls)
 
     def run(self) -> GenerationResult:
         """Generate to the end (blocking) and return the result."""

@@ -39,10 +39,10 @@ from ensemble_core import ConfigurationError, Ensemble, GenerationResult, Invali
 from ensemble_core.constraints.grammar import check_tools
 from ensemble_core.constraints.schemas import closed_schema, strict_tools
 from ensemble_core.constraints.structured import structured_request
-from ensemble_core.serving.runtime import ReplyChunk
+from ensemble_core.serving.runtime import ReplyChunk, asettle, settle
 
 from .base import EnsembleFields, response_metadata, usage_metadata
-from .messages import lc_tool_call_chunks, lc_tool_calls, reply_content, to_core_messages
+from .messages import lc_call_deltas, lc_tool_calls, reply_content, to_core_messages
 
 #: The ``method`` values of :meth:`ChatEnsemble.with_structured_output`.
 StructuredMethod = Literal["json_schema", "function_calling", "json_mode"]
@@ -192,14 +192,15 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
         """Limits of the whole ensemble: its context window is the smallest member's.
 
         Tool calling, tool choice and structured output are the core's (grammar-constrained
-        when a call is forced or a schema is given); tool calls are streamed whole, in the
-        closing chunk, so ``tool_call_streaming`` is False.
+        when a call is forced or a schema is given, and from its start to its end when the
+        ensemble starts a call by itself); tool calls are streamed as ``tool_call_chunks`` while
+        their arguments are decoded, so ``tool_call_streaming`` is True.
         """
         ensemble = self._core_ensemble()
         return ModelProfile(
             name=ensemble.name, max_input_tokens=ensemble.context_window, text_inputs=True, text_outputs=True,
             image_inputs=False, audio_inputs=False, video_inputs=False, pdf_inputs=False, tool_calling=True,
-            tool_choice=True, tool_call_streaming=False, structured_output=True, temperature=True,
+            tool_choice=True, tool_call_streaming=True, structured_output=True, temperature=True,
         )
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
@@ -297,34 +298,46 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
 
     # ------------------------------------------------------------------ results
     @staticmethod
-    def _result_message(result: GenerationResult, ensemble: Ensemble, model_name: str) -> AIMessage:
+    def _metadata(result: GenerationResult, ensemble: Ensemble, model_name: str) -> dict[str, Any]:
+        """``response_metadata``, with the calls that did not run: invalid ones, and repeats of answered calls."""
+        metadata = response_metadata(result, ensemble, model_name)
+        structured = result.structured
+        if structured is not None and structured.invalid_tool_calls:
+            metadata["invalid_tool_calls"] = list(structured.invalid_tool_calls)
+        if structured is not None and structured.repeated_tool_calls:
+            metadata["repeated_tool_calls"] = [c.as_dict() for c in structured.repeated_tool_calls]
+        return metadata
+
+    @classmethod
+    def _result_message(cls, result: GenerationResult, ensemble: Ensemble, model_name: str) -> AIMessage:
         calls, invalid = lc_tool_calls(result.structured)
         return AIMessage(content=reply_content(result.text, result.structured), tool_calls=calls,
                          invalid_tool_calls=invalid, usage_metadata=usage_metadata(result),
-                         response_metadata=response_metadata(result, ensemble, model_name))
+                         response_metadata=cls._metadata(result, ensemble, model_name))
 
     @classmethod
     def _chunk(cls, reply: ReplyChunk, ensemble: Ensemble, model_name: str) -> ChatGenerationChunk:
-        """A stream chunk for one piece of the core's reply (the last one closes the message)."""
+        """A stream chunk for one piece of the core's reply: text, tool-call pieces (the last one closes
+        the message)."""
         if reply.result is None:
-            return ChatGenerationChunk(message=AIMessageChunk(content=reply.delta))
-        return cls._last_chunk(reply.result, ensemble, model_name, reply.delta)
+            return ChatGenerationChunk(message=AIMessageChunk(content=reply.delta,
+                                                              tool_call_chunks=lc_call_deltas(reply.calls)))
+        return cls._last_chunk(reply.result, ensemble, model_name, reply.delta, reply.calls)
 
-    @staticmethod
-    def _last_chunk(result: GenerationResult, ensemble: Ensemble, model_name: str, rest: str = "") -> ChatGenerationChunk:
-        """The closing chunk: the held-back text and the tool calls, all the usage and metadata (counted once)."""
-        metadata = response_metadata(result, ensemble, model_name)
-        if result.structured is not None and result.structured.invalid_tool_calls:
-            metadata["invalid_tool_calls"] = list(result.structured.invalid_tool_calls)
+    @classmethod
+    def _last_chunk(cls, result: GenerationResult, ensemble: Ensemble, model_name: str, rest: str = "",
+                    calls: Sequence[Any] = ()) -> ChatGenerationChunk:
+        """The closing chunk: the held-back text and the closing call pieces, all the usage and metadata (counted once)."""
         return ChatGenerationChunk(message=AIMessageChunk(
-            content=rest, tool_call_chunks=lc_tool_call_chunks(result.structured), usage_metadata=usage_metadata(result),
-            response_metadata=metadata, chunk_position="last"))
+            content=rest, tool_call_chunks=lc_call_deltas(calls), usage_metadata=usage_metadata(result),
+            response_metadata=cls._metadata(result, ensemble, model_name), chunk_position="last"))
 
     # ------------------------------------------------------------------ sync
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         run, ensemble, model_name = self._prepare(to_core_messages(messages), stop, kwargs)
-        result = run.run()
+        run.run()
+        result = settle(run)
         return ChatResult(generations=[ChatGeneration(message=self._result_message(result, ensemble, model_name))],
                           llm_output={"model_name": model_name})
 
@@ -350,7 +363,8 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         """Runs in a worker thread; cancelling the awaiting task stops the generation."""
         run, ensemble, model_name = self._prepare(to_core_messages(messages), stop, kwargs)
-        result = await run.arun()
+        await run.arun()
+        result = await asettle(run)
         return ChatResult(generations=[ChatGeneration(message=self._result_message(result, ensemble, model_name))],
                           llm_output={"model_name": model_name})
 

@@ -14,9 +14,9 @@ policy (:mod:`ensemble_core.text.chat`), shared with the LlamaIndex adapter and 
   because ``AIMessage.tool_calls`` carries the calls.
 * A message's ``name`` is not rendered: the members' chat templates have no field for it.
 
-The other direction (:func:`lc_tool_calls`, :func:`lc_tool_call_chunks`)
+The other direction (:func:`lc_tool_calls`, :func:`lc_call_deltas`)
 turns the core's :class:`~ensemble_core.constraints.structured.StructuredOutput` into ``AIMessage.tool_calls``
-/ ``invalid_tool_calls`` and a stream's ``tool_call_chunks``.
+/ ``invalid_tool_calls``, and its streamed call pieces into ``tool_call_chunks``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from langchain_core.messages import (
 from langchain_core.messages.tool import InvalidToolCall, ToolCall, ToolCallChunk, invalid_tool_call, tool_call, tool_call_chunk
 
 from ensemble_core import InputError, UnsupportedContentError
-from ensemble_core.constraints.structured import StructuredOutput, reply_content
+from ensemble_core.constraints.structured import CallDelta, StructuredOutput, reply_content
 
 _CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "ai": "assistant",
                "tool": "tool"}
@@ -47,7 +47,7 @@ _TOOL_CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_cal
 #: OpenAI Responses' ``function_call``): also carried by ``AIMessage.tool_calls``.
 _PROVIDER_CALL_BLOCKS = frozenset({"tool_use", "server_tool_use", "function_call"})
 
-__all__ = ["UnsupportedContentError", "lc_tool_call_chunks", "lc_tool_calls", "message_role",
+__all__ = ["UnsupportedContentError", "lc_call_deltas", "lc_tool_call_chunks", "lc_tool_calls", "message_role",
            "reply_content", "to_core_messages"]
 #: Qwen2.5-style templates open a call with this tag; text from it on is never streamed as content.
 
@@ -119,6 +119,17 @@ def lc_tool_calls(output: StructuredOutput | None) -> tuple[list[ToolCall], list
     invalid = [invalid_tool_call(name=c.get("name"), args=c.get("args"), id=c.get("id"), error=c.get("error"))
                for c in output.invalid_tool_calls]
     return calls, invalid
+
+
+def lc_call_deltas(calls: Sequence[CallDelta]) -> list[ToolCallChunk]:
+    """The core's tool-call pieces as ``tool_call_chunks``: LangChain joins the pieces of one ``index``.
+
+    The first piece of a call carries its id and name, the next ones its arguments text as
+    decoded; a call that did not parse ends with break text
+    (:class:`~ensemble_core.constraints.structured.CallDelta`), so that the merged message lists
+    it in ``invalid_tool_calls`` instead of completing its partial JSON into a call.
+    """
+    return [tool_call_chunk(name=c.name, args=c.arguments or None, id=c.id, index=c.index) for c in calls]
 
 
 def lc_tool_call_chunks(output: StructuredOutput | None) -> list[ToolCallChunk]:

@@ -39,14 +39,16 @@ from ensemble_core.constraints.schemas import strict_tools
 from ensemble_core.constraints.structured import reply_content
 from ensemble_core.serving.runtime import (
     Run,
+    asettle,
     call_overrides,
     collect_method_options,
     merge_options,
+    settle,
     shared_ensemble,
 )
 from ensemble_core.text.chat import Prompt, normalize_tool_call
 
-from .messages import assistant_message, extra_kwargs, raw_payload, to_core_messages
+from .messages import INVALID_CALL, assistant_message, extra_kwargs, raw_payload, to_core_messages
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
@@ -207,15 +209,21 @@ class EnsembleLLM(FunctionCallingLLM):
     # and the usage is only known once the stream is exhausted. With tools, text that is (or
     # may still become) a call is held back and the calls arrive in that last response.
     def _generate(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Any:
-        result = self._run(prompt, kwargs).run()
+        run = self._run(prompt, kwargs)
+        run.run()
+        result = settle(run)
         return self._response(chat, result, reply_content(result.text, result.structured), None)
 
     def _stream(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Iterator[Any]:
         run = self._run(prompt, kwargs)  # validated now, so that bad options raise at the call
-        return (self._response(chat, reply.result, reply.text, reply.delta) for reply in run.replies())
+        # call pieces have no place in a LlamaIndex response (its calls are blocks of the last one)
+        return (self._response(chat, reply.result, reply.text, reply.delta) for reply in run.replies()
+                if reply.delta or reply.result is not None)
 
     async def _agenerate(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Any:
-        result = await self._run(prompt, kwargs).arun()
+        run = self._run(prompt, kwargs)
+        await run.arun()
+        result = await asettle(run)
         return self._response(chat, result, reply_content(result.text, result.structured), None)
 
     async def _astream(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> AsyncIterator[Any]:
@@ -223,7 +231,8 @@ class EnsembleLLM(FunctionCallingLLM):
 
         async def gen() -> AsyncIterator[Any]:
             async for reply in run.areplies():
-                yield self._response(chat, reply.result, reply.text, reply.delta)
+                if reply.delta or reply.result is not None:
+                    yield self._response(chat, reply.result, reply.text, reply.delta)
 
         return gen()
 
@@ -279,8 +288,13 @@ class EnsembleLLM(FunctionCallingLLM):
                                      **kwargs: Any) -> List[ToolSelection]:
         """The calls of a response: its ``ToolCallBlock``s, else OpenAI-style ``additional_kwargs["tool_calls"]``.
 
-        No call raises ``ValueError`` when ``error_on_no_tool_call`` (LlamaIndex's convention),
-        naming what the ensemble answered instead.
+        A call that cannot run (cut by the token budget, or against its tool's schema) is never
+        passed off as an answer: with ``error_on_no_tool_call`` (LlamaIndex's convention for
+        programs and ``predict_and_call``) a response without a call that can run raises
+        ``ValueError`` naming why; without it (``FunctionAgent``) such a call is returned as a
+        selection of the reserved tool ``invalid_tool_call``, which no agent has, so the agent
+        reports an error and asks again instead of ending its run on the broken call (the next
+        request shows the member why its call failed: see :mod:`.messages`).
         """
         message = response.message
         calls: list[dict[str, Any]] = [{"id": b.tool_call_id, "name": b.tool_name, "arguments": b.tool_kwargs}
@@ -288,15 +302,19 @@ class EnsembleLLM(FunctionCallingLLM):
         if not calls:
             calls = [c.model_dump() if hasattr(c, "model_dump") else c
                      for c in message.additional_kwargs.get("tool_calls") or []]
-        if not calls:
-            if error_on_no_tool_call:
-                text = repr((message.content or "")[:200])
-                if (response.additional_kwargs or {}).get("finish_reason") == "length":
-                    raise ValueError(f"Expected a tool call, but the token budget cut the reply before the call was "
-                                     f"complete: {text}. Raise max_new_tokens.")
-                raise ValueError(f"Expected at least one tool call, but the ensemble answered in text: {text}. "
-                                 "Pass tool_required=True (or a tool_choice) to force a call.")
-            return []
+        runnable = [c for c in calls if c.get("name") != INVALID_CALL]
+        if not runnable and error_on_no_tool_call:
+            text = repr((message.content or "")[:200])
+            bad = [c for c in calls if c.get("name") == INVALID_CALL]
+            if bad:
+                first = bad[0]["arguments"] if isinstance(bad[0].get("arguments"), dict) else {}
+                raise ValueError(f"Expected a tool call, but the ensemble's call of {first.get('name')!r} cannot run: "
+                                 f"{first.get('error')}. Raise max_new_tokens if the budget cut it.")
+            if (response.additional_kwargs or {}).get("finish_reason") == "length":
+                raise ValueError(f"Expected a tool call, but the token budget cut the reply before the call was "
+                                 f"complete: {text}. Raise max_new_tokens.")
+            raise ValueError(f"Expected at least one tool call, but the ensemble answered in text: {text}. "
+                             "Pass tool_required=True (or a tool_choice) to force a call.")
         selections = []
         for i, call in enumerate(calls):
             c = normalize_tool_call(call, f"Tool call {i}")

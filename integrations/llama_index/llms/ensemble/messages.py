@@ -13,6 +13,14 @@ and the method's statistics in ``additional_kwargs`` and ``raw["stats"]``.
 Tool calls in a response are ``ToolCallBlock``s of its message (with the core's call ids),
 which is where ``FunctionCallingLLM`` agents and programs look, and what
 :func:`to_core_messages` reads back as the assistant turn's calls.
+
+A call that cannot run (cut by the token budget, or against its tool's schema) must not
+end an agent's run as its "answer" (``FunctionAgent`` ends on a response without calls).
+So it is a ``ToolCallBlock`` too, of the reserved tool :data:`INVALID_CALL` with the call's
+name, text and error as its arguments: the agent "runs" it, finds no such tool, and
+answers with an error message; :func:`to_core_messages` turns that exchange back into what
+the member needs to read: its reply, then a user turn saying why the call did not run and
+asking for the call again or an answer.
 """
 
 from __future__ import annotations
@@ -32,6 +40,12 @@ from llama_index.core.base.llms.types import (
 from ensemble_core import Ensemble, GenerationResult, InputError
 from ensemble_core.constraints.structured import StructuredOutput
 from ensemble_core.serving.runtime import api_finish_reason, result_info, usage
+
+#: The tool name of a call that cannot run (see the module docstring): no tool may have it.
+INVALID_CALL = "invalid_tool_call"
+#: What the member reads after an invalid call of its own.
+INVALID_CALL_FEEDBACK = ("Your call of {name} could not run: {error}. Call the tool again with complete arguments "
+                         "that match its parameters, or answer without it.")
 
 #: LlamaIndex role → core role.
 ROLE_MAP: dict[str, str] = {
@@ -77,6 +91,7 @@ def to_core_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         raise InputError("No messages: pass at least one user message.")
     out: list[dict[str, Any]] = []
     names: dict[str, Any] = {}  # tool call id → tool name, from the assistant messages so far
+    invalid: dict[str, dict[str, Any]] = {}  # id → the arguments of an INVALID_CALL block
     for i, message in enumerate(messages):
         if not isinstance(message, ChatMessage):
             raise InputError(f"Message {i} is a {type(message).__name__}, not a llama_index ChatMessage.")
@@ -88,6 +103,15 @@ def to_core_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         calls += [c for c in (_plain(c) for c in message.additional_kwargs.get("tool_calls") or [])
                   if not (isinstance(c, dict) and c.get("id") and c["id"] in seen)]  # blocks and kwargs may repeat a call
         core: dict[str, Any] = {"role": ROLE_MAP[role], "content": parts}
+        bad = [c for c in calls if isinstance(c, dict) and c.get("name") == INVALID_CALL]
+        if bad and core["role"] == "assistant":
+            invalid.update({str(c.get("id")): dict(c.get("arguments") or {}) for c in bad})
+            calls = [c for c in calls if c not in bad]
+        if core["role"] == "tool" and str(message.additional_kwargs.get("tool_call_id")) in invalid:
+            call = invalid[str(message.additional_kwargs.get("tool_call_id"))]
+            out.append({"role": "user", "content": INVALID_CALL_FEEDBACK.format(
+                name=call.get("name") or "a tool", error=call.get("error") or "it is not a valid call")})
+            continue
         if calls and core["role"] == "assistant":
             core["tool_calls"] = calls
             names.update({str(c.get("id")): _call_name(c) for c in calls if isinstance(c, dict) and c.get("id")})
@@ -106,8 +130,12 @@ def _call_name(call: dict[str, Any]) -> Any:
 
 
 def raw_payload(result: GenerationResult, ensemble: Ensemble) -> dict[str, Any]:
-    """The ``raw`` field of a response: usage where token counters read it, plus how it was made."""
-    return {"model": ensemble.name, "usage": usage(result), **result_info(result, ensemble)}
+    """The ``raw`` field of a response: usage where token counters read it, plus how it was made (and the
+    calls dropped because they repeated an answered call)."""
+    raw = {"model": ensemble.name, "usage": usage(result), **result_info(result, ensemble)}
+    if result.structured is not None and result.structured.repeated_tool_calls:
+        raw["repeated_tool_calls"] = [c.as_dict() for c in result.structured.repeated_tool_calls]
+    return raw
 
 
 def extra_kwargs(result: GenerationResult) -> dict[str, Any]:
@@ -125,11 +153,17 @@ def assistant_message(content: str, output: StructuredOutput | None = None) -> C
     """The assistant message of a response: its text, and one ``ToolCallBlock`` per parsed call.
 
     The blocks carry the core's call ids, so the message goes back into the chat history
-    as it is (:func:`to_core_messages` reads the blocks as the assistant turn's calls).
+    as it is (:func:`to_core_messages` reads the blocks as the assistant turn's calls). A call
+    that cannot run is a block of :data:`INVALID_CALL` (see the module docstring).
     """
     calls = output.tool_calls if output is not None else []
-    if not calls:
+    invalid = output.invalid_tool_calls if output is not None else []
+    if not calls and not invalid:
         return ChatMessage(role=MessageRole.ASSISTANT, content=content)
+    if not calls:
+        content = output.content if output is not None else content  # the invalid calls' text is in their blocks
     blocks: list[Any] = [TextBlock(text=content)] if content else []
     blocks += [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments) for c in calls]
+    blocks += [ToolCallBlock(tool_call_id=c.get("id"), tool_name=INVALID_CALL, tool_kwargs={
+        "name": c.get("name"), "arguments": c.get("args"), "error": c.get("error")}) for c in invalid]
     return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)

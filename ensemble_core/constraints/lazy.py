@@ -1,0 +1,520 @@
+"""Lazy tool-call grammars: free text until a call starts, then the call's grammar to its end.
+
+With ``tool_choice="auto"`` the model decides whether to call a tool, so the reply cannot be
+constrained from its first token (a forced call can, :func:`~.grammar.request_constraint`).
+Left free, the bundled models write calls that do not parse (a call cut short, a fenced
+block with two objects, arguments of the wrong type). The lazy grammar keeps the decision
+free and makes a *started* call complete: every member's pipeline
+(:class:`~ensemble_core.decoding.pipeline.TokenPipeline`) scans the text it accepts and
+commits for a **trigger**, and from there decodes under the grammar of one call of the
+request's tools, in its own tokenizer, to the call's end; then the text is free again (more
+calls, text, or the end). This is llama.cpp's lazy grammar (trigger patterns over the
+accumulated text, the grammar fed from a group of the match) and the idea of xgrammar's
+structural tags, applied per member.
+
+Triggers (:data:`FORMATS`, one per way the members write calls), in every member's pipeline,
+because the text is shared (a Qwen drafter's ``<tool_call>`` is the verifiers' text too):
+
+* ``hermes``: Qwen's (and Hermes') ``<tool_call>`` anywhere; the grammar starts after it:
+  JSON whitespace, the call, ``</tool_call>``;
+* ``fence``: a ```` ```json ```` (or bare ```` ``` ````) fence whose content starts a call
+  object (``{"name"``); the grammar covers the fence: the call, then the closing fence;
+* ``json``: a call object ``{"name"`` at the start of a line (the reply's first line, or
+  the line after a call): what members instructed by the system prompt write
+  (:func:`~.structured.tool_instructions`); the grammar covers the object.
+
+The call is :func:`~.grammar.call_schema`'s (the forced call's): a known tool name, then
+arguments that match that tool's parameters, closed. A ``{"name"`` object that was data
+(``{"name": "Ada"}``) becomes a call of one of the tools: with tools bound and ``auto``, an
+object starting with ``"name"`` on its own line is read as a call anyway.
+
+Why a trigger scan here rather than llguidance's own lazy lexemes (``%llguidance {}`` with
+a lazy text rule, ``StructTag``): the text before the call would run through the engine for
+every token of every member (a mask per token over Gemma's 262k vocabulary), the loop
+penalty and closing pressure of :class:`~.grammar.ConstraintState` would apply to free
+text, and a trigger that is a special token for one member (Qwen's ``<tool_call>``) is
+plain text for another; a byte scan of the committed text is the same for every tokenizer,
+costs nothing until a trigger, and after it each member's mask is exact in its own
+vocabulary because the grammar follows the committed *bytes* (:meth:`ConstraintState.accept_text`
+starts at the trigger's group, which may lie inside one of the member's tokens).
+
+Two more rules live here:
+
+* **Answered calls are answered, not repeated** (``GenerationConfig.exclude_repeated_calls``,
+  on by default). The bundled models' failure mode in agents: after the tool's result they
+  write the same call again, until the agent's step limit, or feed the result back into the
+  tool. A grammar cannot forbid it without harm: JSON Schema's ``not`` is not supported by
+  llguidance, and masking the token that would close the repeated arguments (tried first)
+  only made Qwen write ``"b": 340`` instead of ``34``, a wrong call whose result misleads the
+  next step. So a call equal (name, and arguments by value: ``7`` = ``7.0``) to one whose
+  result is in the history, or to such a call fed its own result (:func:`answered_calls`), or
+  to one made earlier in the reply may close, and then the reply **ends** (only the member's
+  end-of-reply tokens are allowed: nothing it writes after such a call is needed). The
+  adapters and the server then drop the repeated call and ask the ensemble for the answer
+  instead (:func:`~ensemble_core.serving.runtime.settle`): the same conversation with calls
+  forbidden (``tool_choice="none"``) and one more user turn, :data:`ANSWER_REQUEST`. (Making
+  the member write its answer right after its repeated call, tried second, gave ``408.0`` for
+  numbers but ``2021-04-14 14:45:45`` for "the capital of Kenya"; asked in a turn of its own,
+  Qwen2.5-Coder-0.5B answered 4 of 4 probes right.) Every member follows the same text, so
+  all end at once.
+* ``tool_choice="none"``: the tools are not offered, and no trigger may be completed: a
+  token that would complete one among the member's 64 most likely is masked, so the
+  member answers in text instead of imitating the calls of the history.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ensemble_core.constraints.grammar import ConstraintState, call_format_constraint, compile_for_member
+from ensemble_core.constraints.repetition import LoopPenalty
+from ensemble_core.constraints.triggers import (
+    CALL_SHAPES,
+    FORMATS,
+    TRIGGER_SPAN,
+    CallFormat,
+    call_parts,
+    closed_value,
+    find_trigger,
+    format_named,
+    trigger_tail,
+)
+
+__all__ = [
+    "ANSWER_REQUEST",
+    "FORMATS",
+    "CallFormat",
+    "LazyCalls",
+    "LazyState",
+    "answered_calls",
+    "canonical_arguments",
+    "drop_repeated_calls",
+    "find_trigger",
+    "lazy_calls",
+    "trigger_tail",
+]
+
+#: The user turn that asks for the answer once a reply only repeated answered calls (see the module docstring).
+ANSWER_REQUEST = "Answer my question in one sentence, using the tool results above."
+#: How many of a member's most likely tokens ``tool_choice="none"`` checks for a completed trigger.
+FORBID_TOP_K = 64
+
+
+
+# ----------------------------------------------------------------------------- calls and arguments
+def canonical_arguments(arguments: Any) -> str:
+    """Arguments as comparable text: keys sorted, every number a float (``7`` equals ``7.0``)."""
+    return json.dumps(_normalized(arguments), sort_keys=True, ensure_ascii=False)
+
+
+def _normalized(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, Mapping):
+        return {str(k): _normalized(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_normalized(v) for v in value]
+    return value
+
+
+def answered_calls(messages: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, str], ...]:
+    """``(name, canonical arguments)`` of the calls that would only repeat what the history already has.
+
+    ``messages`` are normalised (:func:`~ensemble_core.text.chat.normalize_messages`). A call is
+    answered when a later ``tool`` message names its id, or, for calls without an id (or
+    results without one), when any ``tool`` message follows its assistant turn. Excluded are
+    every answered call, and the answered call *fed its own result*: the same tool with one
+    argument replaced by the result and the others unchanged (``subtract(900, 357)`` = 543,
+    then ``subtract(543, 357)``; ``reverse_text("stressed")`` = "desserts", then
+    ``reverse_text("desserts")``): Qwen2.5-Coder-0.5B's other way of not answering, seen in the
+    agent suite (docs/agents.md).
+    """
+    out: dict[tuple[str, str], None] = {}
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant" or not message.get("tool_calls"):
+            continue
+        later = [m for m in messages[i + 1:] if m.get("role") == "tool"]
+        ids = {m.get("tool_call_id") for m in later if m.get("tool_call_id")}
+        for k, call in enumerate(message["tool_calls"]):
+            answer = next((m for m in later if call.get("id") and m.get("tool_call_id") == call["id"]), None)
+            if answer is None and later and (not call.get("id") or not ids):
+                answer = later[min(k, len(later) - 1)]
+            if answer is None:
+                continue
+            arguments = dict(call.get("arguments") or {})
+            out[(call["name"], canonical_arguments(arguments))] = None
+            result = _result_value(answer.get("content"))
+            for key, value in arguments.items():
+                if _same_kind(value, result):
+                    out[(call["name"], canonical_arguments({**arguments, key: result}))] = None
+    return tuple(out)
+
+
+def _same_kind(value: Any, result: Any) -> bool:
+    """Both numbers (not booleans), or both strings: a result that could stand for that argument."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    return (number(value) and number(result)) or (isinstance(value, str) and isinstance(result, str))
+
+
+def _result_value(content: Any) -> Any:
+    """A tool result as an argument value: a number when it reads as one, else the stripped text (None: empty)."""
+    text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False) if content else ""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return number if number == number else text
+
+
+def drop_repeated_calls(output: Any, prompt: Any) -> list[Any]:
+    """Remove from ``output`` (a :class:`~.structured.StructuredOutput`) the calls that repeat an answered one.
+
+    A call equal to one whose result is in ``prompt``'s history (or to such a call fed its own
+    result, :func:`answered_calls`), or to an earlier call of the same reply, would only fetch a
+    result the conversation already has. The calls go to ``output.repeated_tool_calls``;
+    returns them. When no call is left, the answer is asked for in a turn of its own
+    (:func:`~ensemble_core.serving.runtime.settle`).
+    """
+    from ensemble_core.text.chat import normalize_messages
+
+    if output is None or not output.tool_calls:
+        return []
+    seen = set(answered_calls(normalize_messages(prompt)))
+    keep, dropped = [], []
+    for call in output.tool_calls:
+        key = (call.name, canonical_arguments(call.arguments))
+        (dropped if key in seen else keep).append(call)
+        seen.add(key)
+    if dropped:
+        output.tool_calls[:] = keep
+        output.repeated_tool_calls.extend(dropped)
+    return dropped
+
+
+# ----------------------------------------------------------------------------- request level
+@dataclass(frozen=True)
+class LazyCalls:
+    """What one request's members decode under in ``auto`` / ``none`` mode (see the module docstring).
+
+    ``tools``: the bare function specs; ``forbid``: ``tool_choice="none"`` (triggers masked,
+    no grammar); ``excluded``: ``(name, canonical arguments)`` calls that may not be made again.
+    """
+
+    tools: tuple[dict[str, Any], ...]
+    forbid: bool = False
+    excluded: tuple[tuple[str, str], ...] = ()
+
+    def constraint(self, fmt: CallFormat) -> Any:
+        """The (cached) grammar of one call in format ``fmt``."""
+        return _format_constraint(json.dumps(self.tools, sort_keys=True, ensure_ascii=False), fmt.name)
+
+    def start(self, member: Any, loops: LoopPenalty | None = None, close_margin: int = 0,
+              budget: int | None = None) -> LazyState:
+        """One member's lazy state at the start of its reply."""
+        return LazyState(self, member, loops, close_margin, budget)
+
+
+@functools.lru_cache(maxsize=64)
+def _format_constraint(tools_json: str, fmt: str) -> Any:
+    f = format_named(fmt)
+    return call_format_constraint(json.loads(tools_json), f.before, f.after)
+
+
+def lazy_calls(request: Any, messages: Sequence[Mapping[str, Any]], exclude_repeated: bool = True,
+               enabled: bool = True) -> LazyCalls | None:
+    """The lazy grammar of a request (a :class:`~.structured.StructuredRequest`), or None.
+
+    ``auto`` with tools: the call grammar behind triggers (``enabled``), with the answered
+    calls of ``messages`` excluded (``exclude_repeated``); ``none`` with tools: triggers
+    masked; a forced call or no tools: None (the eager grammar, or nothing, applies).
+    """
+    if not request.tools:
+        return None
+    if request.choice == "none":
+        return LazyCalls(tuple(request.tools), forbid=True)
+    if request.choice != "auto" or not enabled:
+        return None
+    return LazyCalls(tuple(request.tools), excluded=answered_calls(messages) if exclude_repeated else ())
+
+
+# ----------------------------------------------------------------------------- member level
+@dataclass(frozen=True)
+class LazyMark:
+    """A position of one :class:`LazyState` (see :meth:`LazyState.checkpoint`)."""
+
+    length: int
+    scan: int
+    active: ConstraintState | None
+    grammar: Any
+    fmt: CallFormat | None
+    start: int
+    done: int
+    counters: tuple[int, int, int, int, int]
+    ended: bool
+    accepts: int
+
+
+class LazyState:
+    """One member's lazy call grammar within one request (not thread-safe: one per member and request).
+
+    Follows the member's text (:meth:`accept` its tokens, :meth:`commit` committed text, both
+    byte-exact), activates a :class:`~.grammar.ConstraintState` at a trigger and drops it when
+    the call is complete. Counters (for tests and statistics): ``activations`` (calls started),
+    ``completed`` (calls the grammar closed), ``broken`` (calls the committed text left, e.g. a
+    method committed text without the mask), ``blocked`` (triggers committed where calls are
+    forbidden), ``repeats`` (calls that repeated an excluded one; the reply has then ``ended``).
+    """
+
+    def __init__(self, calls: LazyCalls, member: Any, loops: LoopPenalty | None = None, close_margin: int = 0,
+                 budget: int | None = None) -> None:
+        from ensemble_core.text.distributions import member_table
+
+        self.calls, self.member = calls, member
+        self.loops, self.close_margin = loops, close_margin
+        self.keys = member_table(member).keys
+        self.ids_of = member_table(member).ids_of
+        self.buf = bytearray()
+        self.scan = 0
+        self.active: ConstraintState | None = None
+        self.fmt: CallFormat | None = None
+        self.start = 0
+        self.done: list[tuple[str, str]] = []
+        self.activations = self.completed = self.broken = self.blocked = self.repeats = 0
+        self.ended = False
+        self.accepts = 0
+        self._budget: tuple[int, int] | None = None if budget is None else (int(budget), 0)
+        self._excluded = set(calls.excluded)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def text(self) -> bytes:
+        """The member's text so far, as it was accepted and committed."""
+        return bytes(self.buf)
+
+    def excluded(self) -> set[tuple[str, str]]:
+        """Calls that may not be made now: answered in the history, or made earlier in this reply."""
+        return self._excluded | set(self.done)
+
+    def budget_left(self) -> int | None:
+        if self._budget is None:
+            return None
+        left, at = self._budget
+        return left - max(0, self.accepts - at)
+
+    # ------------------------------------------------------------------ choosing a token
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """Free logits unchanged; under an active call the grammar's mask, loop penalty and closing
+        pressure, and the closer token; in ``none`` mode call-shaped text masked; after a repeated call
+        only the end of the reply."""
+        if self.active is not None:
+            return self._allow_closer(logits, self.active.mask_logits(logits))
+        if self.ended:
+            return self._only_the_end(logits)
+        if self.calls.forbid:
+            logits = self._forbid_triggers(logits)
+        return logits
+
+    def _allow_closer(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        assert self.active is not None and self.fmt is not None
+        closer = self.fmt.closer
+        ids = [i for i in self.ids_of.get(closer, ()) if i < logits.shape[-1]] if closer else []
+        if not ids or not self.active.accepts_text(closer.decode(), end=True):
+            return out
+        out = out.clone()
+        out[..., ids] = logits[..., ids]
+        return out
+
+    def _only_the_end(self, logits: torch.Tensor) -> torch.Tensor:
+        """After a repeated call: the member's end-of-reply tokens only."""
+        eos = [i for i in self.member.eos_token_ids if i < logits.shape[-1]]
+        out = torch.full_like(logits, float("-inf"))
+        out[..., eos] = logits[..., eos]
+        return out
+
+    def _forbid_triggers(self, logits: torch.Tensor) -> torch.Tensor:
+        """Mask, among the :data:`FORBID_TOP_K` most likely tokens, those that start call-shaped text."""
+        row = logits if logits.dim() == 1 else logits.max(dim=0).values
+        top = torch.topk(row.float(), min(FORBID_TOP_K, row.shape[-1])).indices.tolist()
+        banned = [i for i in top if i < len(self.keys) and self._completes_trigger(self.keys[i])]
+        if not banned:
+            return logits
+        out = logits.clone()
+        out[..., banned] = float("-inf")
+        return out
+
+    def _completes_trigger(self, key: bytes | None) -> bool:
+        """Whether ``key`` after the text completes call-shaped text (:data:`CALL_SHAPES`)."""
+        if not key:
+            return False
+        text, start = bytes(self.buf) + key, max(self.scan, len(self.buf) - TRIGGER_SPAN)
+        return any(p.search(text, start) is not None for p in CALL_SHAPES)
+
+    # ------------------------------------------------------------------ following the text
+    def accept(self, token: int) -> None:
+        """Advance by one of this member's tokens (drafted or chosen)."""
+        self.accepts += 1
+        token = int(token)
+        key = self.keys[token] if 0 <= token < len(self.keys) else None
+        if self.active is not None:
+            if key is None:
+                self.active.accept_token(token)  # EOS: accepted only where the call may end
+                return
+            if not self.active.accept_token(token) and not self.active.accept_text(key.decode("utf-8", "replace")):
+                self.buf += key
+                self._give_up()
+                return
+            self.buf += key
+            if self.active.finished:
+                self._finish_call()
+                self._scan()
+            return
+        if key is not None:
+            self.buf += key
+            self._scan()
+
+    def commit(self, text: str) -> None:
+        """Advance by committed text (any member's; it need not end on a token boundary of this one)."""
+        if not text:
+            return
+        self.buf += text.encode("utf-8")
+        if self.active is not None:
+            self._feed(text)
+        else:
+            self._scan()
+
+    def set_budget(self, left: int | None) -> None:
+        self._budget = None if left is None else (int(left), self.accepts)
+        if self.active is not None:
+            self.active.set_budget(left)
+
+    def _scan(self) -> None:
+        """Look for a trigger in the free text; activate the call grammar there (where calls are forbidden:
+        count call-shaped text, :data:`CALL_SHAPES`)."""
+        if self.calls.forbid or self.ended:
+            start = self.scan
+            hits = [m for m in (p.search(bytes(self.buf), start) for p in CALL_SHAPES) if m is not None]
+            if hits:
+                self.blocked += 1
+                self.scan = max(m.end() for m in hits)
+            return
+        while self.active is None:
+            found = find_trigger(bytes(self.buf), self.scan)
+            if found is None:
+                return
+            fmt, m = found
+            try:
+                text = bytes(self.buf[m.start("g"):]).decode("utf-8")
+            except UnicodeDecodeError:  # the call text would start inside a character: not a call
+                self.scan = m.end()
+                continue
+            compiled = compile_for_member(self.calls.constraint(fmt), self.member)
+            state = compiled.start(self.loops, self.close_margin)
+            left = self.budget_left()
+            if left is not None:
+                state.set_budget(left)
+            self.active, self.fmt, self.start = state, fmt, m.start("g")
+            self.activations += 1
+            self._feed(text)
+
+    def _feed(self, text: str) -> None:
+        """Advance the active call by ``text``; where the call ends inside it, the rest is free text again."""
+        state = self.active
+        assert state is not None
+        if state.accept_text(text):
+            if state.finished:
+                self._finish_call()
+                self._scan()
+            return
+        lo, hi = 0, len(text)  # the longest prefix the grammar accepts (acceptance is monotone in the prefix)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if state.accepts_text(text[:mid]):
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo:
+            state.accept_text(text[:lo])
+        if state.finished:
+            self._finish_call()
+            self._scan()
+        else:
+            self._give_up()
+
+    def _finish_call(self) -> None:
+        state = self.active
+        assert state is not None
+        text = state.text.decode("utf-8", "replace")
+        name, at = call_parts(text)
+        closed = closed_value(text, at) if at is not None else None
+        if name is not None and closed is not None:
+            call = (name, canonical_arguments(closed[0]))
+            if call in self.excluded():
+                self.repeats += 1
+                self.ended = True
+            self.done.append(call)
+        self.completed += 1
+        self.scan = self.start + len(state.text)
+        self.active, self.fmt = None, None
+
+    def _give_up(self) -> None:
+        """The committed text left the call's grammar (a method committed text without the mask): it stays free."""
+        self.broken += 1
+        self.scan = len(self.buf)
+        self.active, self.fmt = None, None
+
+    # ------------------------------------------------------------------ drafts
+    def checkpoint(self) -> LazyMark:
+        return LazyMark(len(self.buf), self.scan, self.active, self.active.checkpoint() if self.active else None,
+                        self.fmt, self.start, len(self.done),
+                        (self.activations, self.completed, self.broken, self.blocked, self.repeats),
+                        self.ended, self.accepts)
+
+    def restore(self, mark: LazyMark) -> None:
+        del self.buf[mark.length:]
+        self.scan, self.active, self.fmt, self.start = mark.scan, mark.active, mark.fmt, mark.start
+        if self.active is not None:
+            self.active.restore(mark.grammar)
+        del self.done[mark.done:]
+        self.activations, self.completed, self.broken, self.blocked, self.repeats = mark.counters
+        self.ended = mark.ended
+        self.accepts = mark.accepts
+
+    # ------------------------------------------------------------------ ensemble points (texts)
+    def allows(self, prefix: str, key: bytes | None) -> bool:
+        """Whether committing ``prefix`` then ``key`` (None: the end of the reply) keeps every rule: a
+        started call stays in its grammar (and the reply ends outside a call), no trigger is completed
+        where calls are forbidden, and after a repeated call nothing but the end follows."""
+        mark = self.checkpoint()
+        try:
+            before = (self.broken, self.blocked)
+            self.commit(prefix)
+            if key is None:
+                return self.active is None and (self.broken, self.blocked) == before
+            if self.ended:
+                return False
+            try:
+                self.commit(key.decode("utf-8"))
+            except UnicodeDecodeError:
+                return self.active is None and not self.calls.forbid
+            return (self.broken, self.blocked) == before
+        finally:
+            self.restore(mark)
+
+    def factors(self, prefix: str, texts: Iterable[bytes | None]) -> torch.Tensor | None:
+        """The loop penalty and closing pressure by text at an ensemble point inside a call (None outside one)."""
+        if self.active is None:
+            return None
+        return self.active.text_factors(prefix, list(texts))

@@ -1,0 +1,422 @@
+"""The lazy tool-call grammar of ``tool_choice="auto"`` (#39, items 1, 4, 5), without real models.
+
+* **Triggers and activation** on one member's pipeline, token by token with the real
+  tokenizers: free text stays free (the logits are untouched), a trigger activates the
+  call grammar where it ends (also inside a token), the grammar masks the call's tokens in
+  the member's own vocabulary, Qwen's ``</tool_call>`` token closes a tagged call, and the
+  text is free again after the call. Drafts: an activation inside a rejected draft is undone
+  by ``restore``. Committed text that runs past the call's end leaves the rest free.
+* **Every method**: scripted members (tiny models whose logits are a one-hot on a scripted
+  reply) write calls that break the tool's schema; under the lazy grammar every method
+  (single, SAFE, every-token, SpecEM, generate-then-select) returns a call that parses,
+  and text-only replies are unchanged.
+* **Repeated calls**: a call whose result is in the history may close, then the member must
+  answer (triggers and the end of the reply masked until it has written text), and the
+  adapters drop the repeat; ``exclude_repeated_calls=False`` keeps it.
+* **tool_choice="none"**: a token that would complete a trigger is masked.
+* **Streaming**: call pieces (name, then argument text) while the call is decoded, break text
+  for a call that does not parse; LangChain's merge gives the right ``tool_calls`` /
+  ``invalid_tool_calls``.
+* **LlamaIndex contract**: an invalid call is never an answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import operator
+from typing import Any
+
+import pytest
+import torch
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_ensemble import ChatEnsemble
+from llama_index.core.agent.workflow import FunctionAgent
+from llama_index.core.base.llms.types import ChatMessage, ChatResponse
+from llama_index.core.tools import FunctionTool
+from llama_index.llms.ensemble import EnsembleLLM
+from llama_index.llms.ensemble.messages import INVALID_CALL, assistant_message, to_core_messages
+from test_llamaindex_agent import ScriptedLM
+
+from ensemble_core import Ensemble, Member
+from ensemble_core.constraints.lazy import (
+    ANSWER_REQUEST,
+    LazyCalls,
+    answered_calls,
+    canonical_arguments,
+    drop_repeated_calls,
+    find_trigger,
+    lazy_calls,
+    trigger_tail,
+)
+from ensemble_core.constraints.structured import CallDelta, ReplyStream, parse_output, structured_request
+from ensemble_core.decoding.generation import GenerationConfig
+from ensemble_core.decoding.pipeline import TokenPipeline
+from ensemble_core.errors import InvalidOptionError
+from ensemble_core.testing import tiny_member
+
+QWEN, SMOL = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
+MULTIPLY = {"name": "multiply", "description": "Multiply two numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}
+CAPITAL = {"name": "capital", "description": "The capital city of a country.", "parameters": {
+    "type": "object", "properties": {"country": {"type": "string"}}, "required": ["country"]}}
+TOOLS = [{"type": "function", "function": MULTIPLY}, {"type": "function", "function": CAPITAL}]
+CALL = '{"name": "multiply", "arguments": {"a": 6, "b": 7}}'
+
+
+@functools.cache
+def member(alias: str) -> Member:
+    return tiny_member(alias, seed=3, name=f"lazy-{alias}")
+
+
+def pipeline(alias: str, forbid: bool = False, excluded: tuple[tuple[str, str], ...] = ()) -> TokenPipeline:
+    calls = LazyCalls((MULTIPLY, CAPITAL), forbid=forbid, excluded=excluded)
+    return TokenPipeline(GenerationConfig(), calls=calls.start(member(alias), budget=64))
+
+
+def ids(alias: str, text: str) -> list[int]:
+    return list(member(alias).tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def allowed(p: TokenPipeline) -> torch.Tensor:
+    return torch.isfinite(p.process(torch.zeros(member_of(p).vocab_size)))
+
+
+def member_of(p: TokenPipeline) -> Member:
+    return p.calls.member
+
+
+# ----------------------------------------------------------------------------- triggers
+def test_triggers_and_the_tails_that_may_still_become_one() -> None:
+    found = {t: find_trigger(t) for t in (b'Ok <tool_call>\n{"na', b'Sure.\n```json\n{"name": "x"', b'  {"name"',
+                                          b'a\n{ "name"', b'a {"name"', b'{"names"', b'```python\nx = {"name": 1}')}
+    assert {t: (f[0].name, f[1].start("g")) if f else None for t, f in found.items()} == {
+        b'Ok <tool_call>\n{"na': ("hermes", 14), b'Sure.\n```json\n{"name": "x"': ("fence", 6), b'  {"name"': ("json", 2),
+        b'a\n{ "name"': ("json", 2), b'a {"name"': None, b'{"names"': None, b'```python\nx = {"name": 1}': None}
+    assert [trigger_tail(t) for t in ("Let me <tool", "ok ``", "ok ```js", "ok\n{\"na", "ok {\"na", "done.", "a <b")] == \
+        [7, 3, 3, 3, 7, 5, 4]
+
+
+# ----------------------------------------------------------------------------- activation, token by token
+@pytest.mark.parametrize("alias", [QWEN, SMOL])
+def test_free_text_is_untouched_and_a_tagged_call_is_constrained_to_its_end(alias: str) -> None:
+    p = pipeline(alias)
+    logits = torch.randn(member(alias).vocab_size)
+    text = "Let me check. "
+    for token in ids(alias, text):
+        assert p.process(logits) is logits  # free text: the same tensor, no mask
+        p.accept(token)
+    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+    tokens = ids(alias, call)
+    opened = next(i for i in range(1, len(tokens) + 1) if member(alias).tokenizer.decode(tokens[:i]).endswith("<tool_call>"))
+    for token in tokens[:opened]:
+        p.accept(token)
+    assert p.calls.active is not None and p.calls.activations == 1
+    mask = allowed(p)
+    assert 0 < int(mask.sum()) < 1000  # whitespace or "{" only, in this member's vocabulary
+    for token in tokens[opened:]:
+        assert bool(allowed(p)[token]), member(alias).tokenizer.decode([token])
+        p.accept(token)
+    assert p.calls.active is None and p.calls.completed == 1 and p.calls.broken == 0
+    assert p.process(logits) is logits  # free again after the call
+
+
+def test_a_wrong_argument_is_masked_and_the_end_of_the_reply_waits_for_the_call() -> None:
+    p = pipeline(SMOL)
+    for token in ids(SMOL, '{"name": "multiply", "arguments": {"a": '):
+        p.accept(token)
+    mask = allowed(p)
+    assert not mask[ids(SMOL, '"')[0]] and mask[ids(SMOL, "6")[0]]  # a number, not a string
+    assert not any(mask[i] for i in member(SMOL).eos_token_ids)  # no end inside the call
+    assert p.calls.active is not None and p.calls.fmt.name == "json"
+
+
+def test_the_trigger_may_end_inside_a_token_and_qwens_closing_token_closes_the_tag() -> None:
+    p = pipeline(QWEN)
+    for token in ids(QWEN, '{"name'):
+        p.accept(token)
+    assert p.calls.active is None
+    p.accept(ids(QWEN, '":')[0])  # '":' completes the trigger '{"name"' and goes one character further
+    assert p.calls.active is not None and p.calls.active.text == b'{"name":'
+    p2 = pipeline(QWEN)
+    for token in ids(QWEN, '<tool_call>\n{"name": "capital", "arguments": {"country": "Peru"}}\n'):
+        p2.accept(token)
+    closer = member(QWEN).tokenizer.convert_tokens_to_ids("</tool_call>")
+    assert bool(allowed(p2)[closer])  # an added token the engine never allows as text: allowed where the tag closes
+    p2.accept(closer)
+    assert p2.calls.active is None and p2.calls.completed == 1
+
+
+def test_an_activation_inside_a_rejected_draft_is_undone() -> None:
+    p = pipeline(QWEN)
+    p.commit("Sure. ")
+    mark = p.checkpoint()
+    for token in ids(QWEN, "<tool_call>\n{"):
+        p.accept(token)
+    assert p.calls.active is not None
+    p.restore(mark)
+    assert p.calls.active is None and p.calls.text == b"Sure. " and p.calls.activations == 0
+    p.commit("The answer is 42.")  # what the ensemble kept instead
+    assert p.calls.active is None and p.process(torch.zeros(3)).tolist() == [0, 0, 0]
+
+
+def test_committed_text_past_the_call_is_free_again_and_a_second_call_starts_again() -> None:
+    p = pipeline(SMOL)
+    p.commit(CALL + "\nThat is all.")
+    assert p.calls.active is None and p.calls.completed == 1
+    assert p.calls.done == [("multiply", canonical_arguments({"a": 6, "b": 7}))]
+    p.commit('\n{"name": "capital", "arguments": {"country": ')
+    assert p.calls.active is not None and p.calls.activations == 2
+    p.commit("42")  # committed without the mask (not a string): the call is lost, the text stays free
+    assert p.calls.active is None and p.calls.broken == 1
+
+
+def test_ensemble_points_filter_candidates_by_the_active_call() -> None:
+    from ensemble_core.text.distributions import Candidates, EndOfText
+
+    p = pipeline(SMOL)
+    keys = (b"6", b'"six"', EndOfText(), b"Hello")
+    candidates = Candidates(keys, torch.full((2, 4), 0.25), torch.full((4,), 0.25), torch.ones(4, dtype=torch.bool))
+    assert p.allowed_candidates(candidates).keys == keys  # free: everything
+    kept = p.allowed_candidates(candidates, prefix='{"name": "multiply", "arguments": {"a": ')
+    assert kept is not None and kept.keys == (b"6",)
+    assert p.calls.text == b""  # the check moved nothing
+
+
+# ----------------------------------------------------------------------------- repeats and "none"
+def test_answered_calls_come_from_the_history() -> None:
+    history = [{"role": "user", "content": "6 times 7?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "name": "multiply", "arguments": {"a": 6, "b": 7}},
+                   {"id": "c2", "name": "capital", "arguments": {"country": "Peru"}}]},
+               {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    six_seven = ("multiply", canonical_arguments({"a": 6.0, "b": 7}))
+    fed_back = {("multiply", canonical_arguments({"a": 42, "b": 7})), ("multiply", canonical_arguments({"a": 6, "b": 42}))}
+    assert answered_calls(history)[0] == six_seven and set(answered_calls(history)[1:]) == fed_back  # c2 has no result
+    reverse = {"id": "r", "name": "reverse", "arguments": {"text": "stressed"}}
+    texts = [{"role": "assistant", "content": "", "tool_calls": [reverse]},
+             {"role": "tool", "content": "desserts", "tool_call_id": "r"}]
+    assert ("reverse", canonical_arguments({"text": "desserts"})) in answered_calls(texts)  # its own result fed back
+    request = structured_request(TOOLS)
+    assert lazy_calls(request, history).excluded == answered_calls(history)
+    assert lazy_calls(request, history, exclude_repeated=False).excluded == ()
+    assert lazy_calls(structured_request(TOOLS, "none"), history).forbid
+    assert lazy_calls(structured_request(TOOLS, "multiply"), history) is None  # forced: the eager grammar
+    with pytest.raises(InvalidOptionError, match="exclude_repeated_calls"):
+        GenerationConfig(exclude_repeated_calls="yes")
+
+
+def test_a_repeated_call_ends_the_reply_and_is_dropped() -> None:
+    excluded = (("multiply", canonical_arguments({"a": 6, "b": 7})),)
+    p = pipeline(SMOL, excluded=excluded)
+    p.commit('{"name": "multiply", "arguments": {"a": 6.0, "b": 7}}')
+    assert p.calls.repeats == 1 and p.calls.ended
+    assert allowed(p).nonzero().flatten().tolist() == sorted(member(SMOL).eos_token_ids)  # nothing but the end
+    assert not p.calls.allows("", b"6 times 7 is 42.") and p.calls.allows("", None)
+    fresh = pipeline(SMOL, excluded=excluded)
+    fresh.commit('{"name": "multiply", "arguments": {"a": 6, "b": 8}}')  # another call: free again after it
+    assert not fresh.calls.ended and allowed(fresh).all()
+    # the reply's calls: the repeat is dropped (what the adapters do before asking for the answer)
+    output = parse_output(CALL, structured_request(TOOLS))
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "name": "multiply", "arguments": {"a": 6, "b": 7}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    assert [c.name for c in drop_repeated_calls(output, history)] == ["multiply"]
+    assert output.tool_calls == [] and output.content == "" and output.repeated_tool_calls
+
+
+def test_tool_choice_none_masks_the_tokens_that_start_call_shaped_text() -> None:
+    p = pipeline(QWEN, forbid=True)
+    tokenizer = member(QWEN).tokenizer
+    masked = {}
+    for text in ("<tool_call>", '{"', "{", "```json\n{", "The"):
+        logits = torch.zeros(member(QWEN).vocab_size)
+        token = tokenizer.convert_tokens_to_ids(text) if text == "<tool_call>" else ids(QWEN, text)[-1]
+        logits[token] = 10.0
+        if text == "```json\n{":
+            p.commit("```json\n")
+        masked[text] = not bool(torch.isfinite(p.process(logits))[token])
+    assert masked == {"<tool_call>": True, '{"': True, "{": True, "```json\n{": True, "The": False}
+    p.commit("The product is {6 * 7}.")  # braces inside a line are text
+    assert p.calls.blocked == 0 and p.process(torch.zeros(5)).isfinite().all()
+
+
+# ----------------------------------------------------------------------------- every method, scripted members
+def scripted_member(alias: str, reply: Any, name: str) -> Member:
+    base = tiny_member(alias, seed=1)
+    replies = reply if callable(reply) else (lambda prompt: reply)
+    return Member(ScriptedLM(base.model, base.tokenizer, replies), base.tokenizer, name=name)
+
+
+BAD = '{"name": "multiply", "arguments": {"a": "six", "b": 7, "c": 1}}'  # breaks the schema twice
+
+
+@pytest.mark.parametrize("method", ["single", "safe", "every-token", "specem", "generate-then-select"])
+def test_every_method_completes_a_started_call_under_the_grammar(method: str) -> None:
+    members = [scripted_member(SMOL, BAD, "bad-smol")]
+    if method != "single":
+        members.append(scripted_member(QWEN, "<tool_call>\n" + BAD + "\n</tool_call>", "bad-qwen"))
+    ensemble = Ensemble(members, method=method)
+    free = ensemble.generate("6 times 7?", tools=TOOLS, max_new_tokens=48, lazy_tool_grammar=False)
+    assert not free.tool_calls and free.structured.invalid_tool_calls  # what the members wrote breaks the schema
+    result = ensemble.generate("6 times 7?", tools=TOOLS, max_new_tokens=48)
+    assert result.finish_reason != "length" and len(result.tool_calls) == 1, result.text
+    call = result.tool_calls[0]
+    assert call.name == "multiply" and set(call.arguments) == {"a", "b"}  # the values off the script are the mask's pick
+    assert all(isinstance(v, (int, float)) for v in call.arguments.values())
+    assert not result.structured.invalid_tool_calls
+
+
+@pytest.mark.parametrize("method", ["single", "safe", "every-token", "specem"])
+def test_text_replies_are_unchanged_by_the_lazy_grammar(method: str) -> None:
+    text = "6 times 7 is 42. {braces} and ``` are text too."
+    members = [scripted_member(SMOL, text, "text-smol")]
+    if method != "single":
+        members.append(scripted_member(QWEN, text, "text-qwen"))
+    ensemble = Ensemble(members, method=method)
+    assert ensemble.generate("hi", tools=TOOLS, max_new_tokens=40).text == ensemble.generate("hi", max_new_tokens=40).text == text
+
+
+def test_tool_choice_none_answers_in_text_where_the_member_would_imitate_a_call() -> None:
+    member_ = scripted_member(SMOL, CALL, "imitator")
+    result = Ensemble([member_], method="single").generate("6 times 7?", tools=TOOLS, tool_choice="none", max_new_tokens=30)
+    assert '{"name"' not in result.text and not find_trigger(result.text.encode())
+
+
+# ----------------------------------------------------------------------------- agents with scripted members
+@tool
+def multiply(a: float, b: float) -> float:
+    """Multiply two numbers."""
+    return a * b
+
+
+def repeater(prompt: str) -> str:
+    """A member that calls, then repeats its call, and answers only when asked in a turn of its own."""
+    return "6 times 7 is 42." if ANSWER_REQUEST in prompt else CALL
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_langgraph_agent_finishes_when_the_member_repeats_its_call(stream: bool) -> None:
+    """The repeated call ends the reply, is dropped, and the answer is asked for: the agent ends on it."""
+    from langgraph.prebuilt import create_react_agent
+
+    chat = ChatEnsemble(members=[scripted_member(SMOL, repeater, "repeater")], method="single", max_tokens=64)
+    agent = create_react_agent(chat, [multiply])
+    question = {"messages": [HumanMessage("6 times 7?")]}
+    if stream:  # the model streams (LangGraph's "messages" mode): the answer arrives as text chunks
+        messages = []
+        for state in agent.stream(question, {"recursion_limit": 6}, stream_mode="values"):
+            messages = state["messages"]
+    else:
+        messages = agent.invoke(question, {"recursion_limit": 6})["messages"]
+    assert [type(m).__name__ for m in messages] == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage"]
+    assert messages[-1].content == "6 times 7 is 42." and not messages[-1].tool_calls
+    assert messages[-1].response_metadata["repeated_tool_calls"][0]["name"] == "multiply"
+    kept = chat.bind_tools([multiply]).invoke(messages[:3], exclude_repeated_calls=False)
+    assert kept.tool_calls and kept.tool_calls[0]["args"] == {"a": 6, "b": 7}  # switched off: the repeat is a call
+
+
+def test_streamed_repeat_is_broken_and_the_answer_streams_as_text() -> None:
+    chat = ChatEnsemble(members=[scripted_member(SMOL, repeater, "repeater-stream")], method="single", max_tokens=64)
+    history = [HumanMessage("6 times 7?"), AIMessage(content="", tool_calls=[{"name": "multiply", "args": {"a": 6, "b": 7},
+                                                                              "id": "c1"}]),
+               ToolMessage(content="42", tool_call_id="c1")]
+    chunks = list(chat.bind_tools([multiply]).stream(history))
+    merged = functools.reduce(operator.add, chunks)
+    assert merged.content == "6 times 7 is 42." and merged.tool_calls == []  # the repeat's pieces end in break text
+    assert sum(bool(c.content) for c in chunks) > 1  # the answer was streamed
+
+
+async def test_function_agent_finishes_when_the_member_repeats_its_call() -> None:
+    log: list[tuple[float, float]] = []
+
+    def times(a: float, b: float) -> float:
+        """Multiply two numbers."""
+        log.append((a, b))
+        return a * b
+
+    llm = EnsembleLLM(members=[scripted_member(SMOL, repeater, "li-repeater")], method="single", max_new_tokens=64)
+    agent = FunctionAgent(tools=[FunctionTool.from_defaults(times, name="multiply")], llm=llm)  # streaming, as default
+    answer = await agent.run("What is 6 times 7?", max_iterations=4)
+    assert log == [(6, 7)] and str(answer) == "6 times 7 is 42."
+
+
+# ----------------------------------------------------------------------------- streaming
+def test_reply_stream_sends_call_pieces_and_breaks_a_call_that_does_not_parse() -> None:
+    request = structured_request(TOOLS)
+    stream = ReplyStream.for_request(request)
+    text = 'Sure.\n<tool_call>\n{"name": "capital", "arguments": {"country": "Peru"}}\n</tool_call>'
+    shown, pieces = "", []
+    for i in range(0, len(text), 4):
+        piece, calls = stream.feed(text[i:i + 4])
+        shown += piece
+        pieces += calls
+    assert shown == "Sure." and pieces[0] == CallDelta(0, pieces[0].id, "capital", "")
+    assert "".join(p.arguments for p in pieces) == '{"country": "Peru"}' and len(pieces) > 3
+    output = parse_output(text, request)
+    assert stream.finish(output) == [] and output.tool_calls[0].id == pieces[0].id  # the ids agree
+    cut = ReplyStream.for_request(request)
+    _, calls = cut.feed('{"name": "capital", "arguments": {"country": "Pe')
+    closing = cut.finish(parse_output('{"name": "capital", "arguments": {"country": "Pe', request))
+    chunks = [AIMessageChunk(content="", tool_call_chunks=[
+        {"name": c.name, "args": c.arguments or None, "id": c.id, "index": c.index, "type": "tool_call_chunk"}])
+        for c in [*calls, *closing]]
+    merged = functools.reduce(operator.add, chunks)
+    assert merged.tool_calls == [] and merged.invalid_tool_calls[0]["name"] == "capital"  # never completed into a call
+
+
+def test_server_streams_tool_call_deltas_while_decoding() -> None:
+    from fastapi.testclient import TestClient
+    from test_server import sse_events
+
+    from ensemble_core.server import create_app
+
+    m = scripted_member(SMOL, "Let me see.\n" + CALL, "streamer")
+    with TestClient(create_app(ensemble=Ensemble([m], method="single", max_new_tokens=64))) as tc:
+        body = {"messages": [{"role": "user", "content": "6 times 7?"}], "tools": TOOLS, "stream": True}
+        with tc.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me see."
+    assert calls[0]["function"]["name"] == "multiply" and calls[0]["id"] and calls[0]["type"] == "function"
+    assert len(calls) > 2 and json.loads("".join(c["function"]["arguments"] for c in calls)) == {"a": 6, "b": 7}
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# ----------------------------------------------------------------------------- LlamaIndex contract
+def test_llamaindex_never_passes_an_invalid_call_off_as_an_answer() -> None:
+    llm = EnsembleLLM(members=[scripted_member(SMOL, "hi", "li-contract")], method="single", max_new_tokens=8)
+    output = parse_output('{"name": "multiply", "arguments": {"a": 6', structured_request(TOOLS))
+    response = ChatResponse(message=assistant_message(output.content, output), additional_kwargs={"finish_reason": "length"})
+    with pytest.raises(ValueError, match="multiply.*cannot run.*budget"):
+        llm.get_tool_calls_from_response(response)
+    selection = llm.get_tool_calls_from_response(response, error_on_no_tool_call=False)
+    assert [s.tool_name for s in selection] == [INVALID_CALL] and selection[0].tool_kwargs["name"] == "multiply"
+    history = to_core_messages([ChatMessage(role="user", content="6 times 7?"), response.message,
+                                ChatMessage(role="tool", content="Tool invalid_tool_call not found.",
+                                            additional_kwargs={"tool_call_id": selection[0].tool_id})])
+    assert [m["role"] for m in history] == ["user", "assistant", "user"] and "tool_calls" not in history[1]
+    assert history[2]["content"].startswith("Your call of multiply could not run: the call is not valid JSON")
+
+
+async def test_function_agent_asks_again_after_an_invalid_call() -> None:
+    log: list[tuple[float, float]] = []
+
+    def times(a: float, b: float) -> float:
+        """Multiply two numbers."""
+        log.append((a, b))
+        return a * b
+
+    def reply(prompt: str) -> str:
+        if "42" in prompt:
+            return "6 times 7 is 42."
+        return CALL if "could not run" in prompt else '{"name": "multiply", "arguments": {"a": 6}}'
+
+    llm = EnsembleLLM(members=[scripted_member(SMOL, reply, "li-retry")], method="single", max_new_tokens=48,
+                      lazy_tool_grammar=False)  # free decoding, so that the member's invalid call stays invalid
+    agent = FunctionAgent(tools=[FunctionTool.from_defaults(times, name="multiply")], llm=llm)
+    answer = await agent.run("What is 6 times 7?", max_iterations=6)
+    assert log == [(6, 7)] and str(answer) == "6 times 7 is 42."
+
