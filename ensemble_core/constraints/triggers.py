@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,24 +88,23 @@ CALL_SHAPES: tuple[re.Pattern[bytes], ...] = (
     re.compile(rb"<tool_call>"), re.compile(rb"(?m)^[ \t]*\{"), re.compile(rb"```(?:json|JSON)?" + _WS + rb"\{"))
 
 
-def find_trigger(text: bytes, pos: int = 0) -> tuple[CallFormat, re.Match[bytes]] | None:
-    """The earliest trigger in ``text`` at or after ``pos`` (a line start is a line start of the whole text)."""
-    best: tuple[CallFormat, re.Match[bytes]] | None = None
+def _earliest(text: Any, pos: int, pattern: Callable[[CallFormat], re.Pattern[Any]]) -> tuple[CallFormat, re.Match[Any]] | None:
+    best: tuple[CallFormat, re.Match[Any]] | None = None
     for fmt in FORMATS:
-        m = fmt.pattern.search(text, pos)
+        m = pattern(fmt).search(text, pos)
         if m is not None and (best is None or m.start() < best[1].start()):
             best = (fmt, m)
     return best
+
+
+def find_trigger(text: bytes, pos: int = 0) -> tuple[CallFormat, re.Match[bytes]] | None:
+    """The earliest trigger in ``text`` at or after ``pos`` (a line start is a line start of the whole text)."""
+    return _earliest(text, pos, lambda f: f.pattern)
 
 
 def find_text_trigger(text: str, pos: int = 0) -> tuple[CallFormat, re.Match[str]] | None:
     """:func:`find_trigger` on a ``str`` (what streaming sees)."""
-    best: tuple[CallFormat, re.Match[str]] | None = None
-    for fmt in FORMATS:
-        m = fmt.text_pattern.search(text, pos)
-        if m is not None and (best is None or m.start() < best[1].start()):
-            best = (fmt, m)
-    return best
+    return _earliest(text, pos, lambda f: f.text_pattern)
 
 
 _NAME_PREFIX = r'(?:"(?:n(?:a(?:m(?:e)?)?)?)?)?'
