@@ -420,3 +420,33 @@ async def test_function_agent_asks_again_after_an_invalid_call() -> None:
     answer = await agent.run("What is 6 times 7?", max_iterations=6)
     assert log == [(6, 7)] and str(answer) == "6 times 7 is 42."
 
+
+
+# ----------------------------------------------------------------------------- one decision, many spellings
+def test_call_openers_in_any_spelling_are_one_decision_at_an_ensemble_point() -> None:
+    """Measured at the first token of "Who wrote the book Dune?" (SAFE, Qwen drafting, SmolLM2 verifying,
+    the prior's weights): Qwen put 0.26 on ``{"`` and 0.08 on ``{`` + newline, 0.20 on ``The``; fused
+    separately the call lost (0.20) to ``The`` (0.22) and the ensemble answered without the tool Qwen
+    alone calls. As one decision the call carries Qwen's 0.34 (a spelling that is a prefix of another
+    is not added twice), and text before a call, a call in progress or ``"none"`` merge nothing."""
+    from ensemble_core.text.distributions import Candidates, EndOfText
+
+    keys = (b'{"', b"The", b"{\n", b"{", b"D", EndOfText())
+    member_probs = torch.tensor([[0.26, 0.20, 0.08, 0.30, 0.00, 0.01],   # Qwen ("{" includes both spellings)
+                                 [0.00, 0.31, 0.00, 0.00, 0.40, 0.02]])  # SmolLM2
+    weights = torch.tensor([0.77, 0.23])
+    fused = (weights[:, None] * member_probs).sum(0)
+    candidates = Candidates(keys, member_probs, fused, torch.ones(len(keys), dtype=torch.bool), weights)
+    p = pipeline(SMOL)
+    plain = [None if isinstance(k, EndOfText) else k for k in keys]
+    assert p.calls.call_openers("", plain) == [0, 2, 3]
+    merged = p.merged_call_openers(candidates)
+    assert merged.keys == (b"The", b"{", b"D", EndOfText())  # the most favoured spelling carries the call
+    assert merged.member_probs[0, 1].item() == pytest.approx(0.34)  # {" + {\n; "{" is their prefix: not added
+    assert merged.fused[1].item() == pytest.approx(0.77 * 0.34) and merged.fused.argmax().item() == 1
+    assert p.calls.call_openers("Sure, ", plain) == []  # mid-line: "{" is not a call opener
+    assert p.calls.call_openers("Sure.\n", plain) == [0, 2, 3]  # a new line: it is
+    assert pipeline(SMOL, forbid=True).calls.call_openers("", plain) == []  # "none": nothing to merge
+    busy = pipeline(SMOL)
+    busy.commit("<tool_call>\n")  # a call in progress: its grammar decides
+    assert busy.calls.call_openers("", plain) == []

@@ -513,6 +513,23 @@ class LazyState:
         finally:
             self.restore(mark)
 
+    def call_openers(self, prefix: str, keys: Sequence[bytes | None]) -> list[int]:
+        """Which of ``keys`` (candidate texts after the committed text and ``prefix``; None: the end) start
+        call-shaped text (:data:`CALL_SHAPES`) where a call may start now: one decision, whichever
+        member's spelling it has (:meth:`~ensemble_core.text.distributions.Candidates.merged`)."""
+        if self.active is not None or self.calls.forbid or self.ended:
+            return []
+        text = bytes(self.buf) + prefix.encode("utf-8")
+        start = max(0, len(text) - TRIGGER_SPAN)
+        out = []
+        for i, key in enumerate(keys):
+            if not key:
+                continue
+            whole = text + key
+            if any((m := p.search(whole, start)) is not None and m.end() > len(text) for p in CALL_SHAPES):
+                out.append(i)
+        return out
+
     def factors(self, prefix: str, texts: Iterable[bytes | None]) -> torch.Tensor | None:
         """The loop penalty and closing pressure by text at an ensemble point inside a call (None outside one)."""
         if self.active is None:

@@ -145,6 +145,14 @@ class TokenPipeline:
                                       for k in candidates.keys])
         return candidates
 
+    def merged_call_openers(self, candidates: Candidates, prefix: str = "") -> Candidates:
+        """With lazy calls, where a call may start: the candidates that open one (in any member's format)
+        as one decision (:meth:`~ensemble_core.text.distributions.Candidates.merged`); else unchanged."""
+        if self.calls is None:
+            return candidates
+        keys = [None if isinstance(k, EndOfText) else k for k in candidates.keys]
+        return candidates.merged(self.calls.call_openers(prefix, keys))
+
     def reweighted(self, candidates: Candidates, prefix: str = "") -> Candidates:
         """Candidates with the loop penalty and the closing pressure applied by their text (stages 2-3)."""
         if self.grammar is None and self.calls is None:

@@ -100,7 +100,7 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         # the first member's pipeline: only fused strings its grammar accepts, chosen from the request's
         # one stream of choices (every member's pipeline shares the generator)
         pipeline = request.views[0].pipeline
-        candidates = pipeline.allowed_candidates(candidates) or candidates
+        candidates = pipeline.merged_call_openers(pipeline.allowed_candidates(candidates) or candidates)
         chosen = pipeline.choose(sharpen(candidates, config.sharpening))
         if request.votes is not None:
             request.votes.count(candidates.member_probs, chosen)

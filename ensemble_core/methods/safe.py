@@ -444,7 +444,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
                 return (EndOfText() if draft.eos and point == len(draft.ids) - 1
                         else member_table(request.views[request.drafter].member).keys[draft.ids[point]]), prefixes
             # the verifiers scored without the loop penalty and the closing pressure: apply both by text
-            candidates = pipeline.reweighted(allowed, prefix)
+            candidates = pipeline.merged_call_openers(pipeline.reweighted(allowed, prefix), prefix)
         scores = sharpen(candidates, request.config.sharpening)
         chosen = pipeline.choose(scores)
         if request.votes is not None:

@@ -260,6 +260,34 @@ class Candidates:
         return Candidates(tuple(self.keys[i] for i in idx), self.member_probs[:, at], self.fused[at],
                           self.drafter_top[at], self.weights)
 
+    def merged(self, group: Sequence[int]) -> Candidates:
+        """The candidates of ``group`` taken as one decision spelled several ways (a tool call opened as
+        ``<tool_call>``, ``{"`` or ``{`` and a newline): each member's probability of the decision is the
+        sum over the spellings (different first tokens are disjoint events; a spelling that is a prefix
+        of another in the group is left out, so that no mass counts twice), carried by the spelling the
+        members favour most; the other spellings drop out. Why: without it the votes for one decision
+        split over its spellings and a second choice outvotes it (measured: Qwen2.5-Coder gave a call
+        0.34 over two spellings and "The" 0.20; the fused 0.20 / 0.06 lost to "The" at 0.22).
+        """
+        if len(group) < 2:
+            return self
+        at = torch.tensor(list(group), dtype=torch.long)
+        lead = int(at[int(self.fused[at].argmax())])
+        member_probs = self.member_probs.clone()
+        texts = {i: self.keys[i] for i in group}
+        maximal = [i for i, t in texts.items()
+                   if not any(j != i and isinstance(o, bytes) and isinstance(t, bytes) and o.startswith(t)
+                              for j, o in texts.items())]
+        member_probs[:, lead] = self.member_probs[:, maximal].sum(dim=1).clamp(max=1.0)
+        weights = self.weights if self.weights is not None else torch.full(
+            (member_probs.shape[0],), 1.0 / member_probs.shape[0])
+        fused = self.fused.clone()
+        fused[lead] = (weights.to(member_probs.dtype) * member_probs[:, lead]).sum()
+        drop = set(group) - {lead}
+        keep = torch.tensor([i for i in range(len(self.keys)) if i not in drop], dtype=torch.long)
+        return Candidates(tuple(self.keys[i] for i in keep.tolist()), member_probs[:, keep], fused[keep],
+                          self.drafter_top[keep], self.weights)
+
     def reweighted(self, factors: torch.Tensor) -> Candidates:
         """The same candidates with ``fused`` scaled by ``factors`` (a penalty on some of them).
 
