@@ -47,6 +47,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+def free_cached_models() -> None:
+    """Forget the models this process cached for earlier test files and hand the memory back to the system.
+
+    Every file's ``Member.load`` calls stay cached per process (``models.loading``: one entry per
+    model, dtype and layout), so a test process grows with the files it ran (10 GB each, measured
+    in a full run); the session fixtures' members stay (they are still referenced).
+    """
+    import ctypes
+    import gc
+
+    from ensemble_core.models.loading import clear_loaded
+    from ensemble_core.serving.runtime import clear_shared
+
+    clear_loaded()
+    clear_shared()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc keeps freed pages otherwise
+    except (OSError, AttributeError):
+        pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _room_for_child_processes(request: pytest.FixtureRequest) -> None:
+    """Before a file whose models live in child processes (:data:`OWN_PROCESS_FILES`): free this process's."""
+    if request.path.name in OWN_PROCESS_FILES:
+        free_cached_models()
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> Member:
     return Member.load("smollm2-135m-instruct")
