@@ -24,6 +24,7 @@ A request may carry OpenAI-style ``tools`` with a ``tool_choice``, and/or a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -312,21 +313,20 @@ class _StreamedCall:
     end: int | None = None  # absolute end of the call (its closer included)
 
 
+#: A complete JSON string (what :func:`_breaker` skips to find an open one).
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
 def _breaker(sent: str) -> str:
     """Text that makes ``sent`` + it unreadable even for a lenient (partial) JSON reader: a mismatched ``]``
-    (after a closing quote when ``sent`` ends inside a string)."""
-    inside = escaped = False
-    for c in sent:
-        if inside:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                inside = False
-        elif c == '"':
-            inside = True
-    return ('\\"' if escaped else '"') + "]" if inside else "]"
+    (after a closing quote when ``sent`` ends inside a string, and after the escaped character when it
+    ends on a lone backslash there)."""
+    rest = _JSON_STRING.sub("", sent)
+    if '"' not in rest:
+        return "]"
+    tail = rest[rest.index('"') + 1:]  # the open string's text
+    escaped = (len(tail) - len(tail.rstrip("\\"))) % 2 == 1
+    return ('\\"' if escaped else '"') + "]"
 
 
 class ReplyStream:
