@@ -450,3 +450,16 @@ def test_call_openers_in_any_spelling_are_one_decision_at_an_ensemble_point() ->
     busy = pipeline(SMOL)
     busy.commit("<tool_call>\n")  # a call in progress: its grammar decides
     assert busy.calls.call_openers("", plain) == []
+
+
+def test_following_free_text_rescans_only_its_tail() -> None:
+    """A reply's free text is scanned for triggers once: after a long answer the next scan starts at most
+    TRIGGER_SPAN bytes back (not at the start, on every token), and a call after it still activates."""
+    from ensemble_core.constraints.triggers import TRIGGER_SPAN
+
+    p = pipeline(QWEN)
+    for _ in range(50):
+        p.commit("The answer is in the text above. ")
+    assert p.calls.scan >= len(p.calls.text) - TRIGGER_SPAN > 1000
+    p.commit("\n<tool_call>\n")
+    assert p.calls.active is not None and p.calls.activations == 1

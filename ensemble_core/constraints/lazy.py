@@ -85,6 +85,8 @@ from ensemble_core.constraints.triggers import (
     format_named,
     trigger_tail,
 )
+from ensemble_core.text.chat import normalize_messages
+from ensemble_core.text.distributions import member_table
 
 __all__ = [
     "ANSWER_REQUEST",
@@ -188,8 +190,6 @@ def drop_repeated_calls(output: Any, prompt: Any) -> list[Any]:
     returns them. When no call is left, the answer is asked for in a turn of its own
     (:func:`~ensemble_core.serving.runtime.settle`).
     """
-    from ensemble_core.text.chat import normalize_messages
-
     if output is None or not output.tool_calls:
         return []
     seen = set(answered_calls(normalize_messages(prompt)))
@@ -280,8 +280,6 @@ class LazyState:
 
     def __init__(self, calls: LazyCalls, member: Any, loops: LoopPenalty | None = None, close_margin: int = 0,
                  budget: int | None = None) -> None:
-        from ensemble_core.text.distributions import member_table
-
         self.calls, self.member = calls, member
         self.loops, self.close_margin = loops, close_margin
         self.keys = member_table(member).keys
@@ -404,15 +402,17 @@ class LazyState:
         """Look for a trigger in the free text; activate the call grammar there (where calls are forbidden:
         count call-shaped text, :data:`CALL_SHAPES`)."""
         if self.calls.forbid or self.ended:
-            start = self.scan
-            hits = [m for m in (p.search(bytes(self.buf), start) for p in CALL_SHAPES) if m is not None]
+            hits = [m for m in (p.search(self.buf, self.scan) for p in CALL_SHAPES) if m is not None]
             if hits:
                 self.blocked += 1
                 self.scan = max(m.end() for m in hits)
+            else:
+                self._scanned()
             return
         while self.active is None:
-            found = find_trigger(bytes(self.buf), self.scan)
+            found = find_trigger(self.buf, self.scan)
             if found is None:
+                self._scanned()
                 return
             fmt, m = found
             try:
@@ -428,6 +428,12 @@ class LazyState:
             self.active, self.fmt, self.start = state, fmt, m.start("g")
             self.activations += 1
             self._feed(text)
+
+    def _scanned(self) -> None:
+        """No trigger up to the end of the text: the next scan starts where one could still begin (a
+        trigger spans at most :data:`TRIGGER_SPAN` bytes), so following a reply costs the new bytes, not
+        the whole text again on every token."""
+        self.scan = max(self.scan, len(self.buf) - TRIGGER_SPAN)
 
     def _feed(self, text: str) -> None:
         """Advance the active call by ``text``; where the call ends inside it, the rest is free text again."""

@@ -71,7 +71,10 @@ class CallFormat:
 HERMES = CallFormat("hermes", re.compile(rb"<tool_call>(?P<g>)"), "WS?", 'WS? "</tool_call>"', b"</tool_call>")
 FENCE = CallFormat("fence", re.compile(rb"(?P<g>```(?:json|JSON)?" + _WS + _CALL_OBJECT + rb")"),
                    '"```" ("json" | "JSON")? WS?', 'WS? "```"')
-JSON_LINE = CallFormat("json", re.compile(rb"(?m)^[ \t]*(?P<g>" + _CALL_OBJECT + rb")"))
+#: Indentation before a ``{"name"`` line is bounded like the whitespace inside triggers, so that every trigger
+#: spans at most :data:`TRIGGER_SPAN` bytes (scans then start that far back, not at the text's start).
+_INDENT = rb"[ \t]{0,20}"
+JSON_LINE = CallFormat("json", re.compile(rb"(?m)^" + _INDENT + rb"(?P<g>" + _CALL_OBJECT + rb")"))
 #: Every call format, in no particular order (the earliest trigger in the text wins).
 FORMATS: tuple[CallFormat, ...] = (HERMES, FENCE, JSON_LINE)
 _BY_NAME = {f.name: f for f in FORMATS}
@@ -85,7 +88,7 @@ def format_named(name: str) -> CallFormat:
 #: call-shaped text at all, broader than the triggers: the bundled members imitate the calls of the
 #: history as ``{"name}: ...`` or ``{"response": ...}`` when only ``{"name"`` is masked.
 CALL_SHAPES: tuple[re.Pattern[bytes], ...] = (
-    re.compile(rb"<tool_call>"), re.compile(rb"(?m)^[ \t]*\{"), re.compile(rb"```(?:json|JSON)?" + _WS + rb"\{"))
+    re.compile(rb"<tool_call>"), re.compile(rb"(?m)^" + _INDENT + rb"\{"), re.compile(rb"```(?:json|JSON)?" + _WS + rb"\{"))
 
 
 def _earliest(text: Any, pos: int, pattern: Callable[[CallFormat], re.Pattern[Any]]) -> tuple[CallFormat, re.Match[Any]] | None:

@@ -50,6 +50,7 @@ import torch
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import MemberStats
 from ensemble_core.errors import InvalidOptionError
+from ensemble_core.methods.single import SingleModel
 from ensemble_core.text.distributions import fusion_weights
 
 #: A calibrated member keeps its vote while its accuracy is at least this share of the best's.
@@ -206,8 +207,6 @@ def calibrate(members: Sequence[Member], questions: Sequence[Any], answers: Sequ
     paper's rule of ensembling only members of comparable strength), the others weigh their
     smoothed accuracy. Cost: ``len(members) * len(questions)`` single-model answers, once.
     """
-    from ensemble_core.methods.single import SingleModel
-
     if len(questions) != len(answers) or not questions:
         raise InvalidOptionError("questions", len(questions), f"a non-empty list with one answer each ({len(answers)})")
     scores = {}
