@@ -107,6 +107,30 @@ def next_post_init(cls: type, obj: Any) -> None:
         after()
 
 
+# ----------------------------------------------------------------------------- per-device defaults
+def device_type(device: Any) -> str:
+    """``"cpu"``, ``"cuda"``, ``"mps"``...: the kind of a member's device (a ``torch.device``, ``"cuda:1"``, or a
+    Ray member's ``"ray:<node>/<device>/<id>"``), the key of the measured defaults."""
+    text = str(device)
+    if text.startswith("ray:"):
+        parts = text.split("/")
+        text = parts[1] if len(parts) > 1 else ""
+    return text.split(":")[0]
+
+
+def device_default(value: Any, paper: Any, measured: Mapping[str, Any], device: Any, published: bool) -> Any:
+    """An option's value for one request: ``value`` when given (not None); else the papers' ``paper``
+    value under ``published=True``; else the value ``measured`` faster for the device's type without
+    costing accuracy (docs/configuration.md), or the paper's where nothing was measured.
+
+    Why per device: a lever that pays on a CPU (more tokens per pass of a small drafter) is
+    untested on a GPU, and untested settings never become a user's default.
+    """
+    if value is not None:
+        return value
+    return paper if published else measured.get(device_type(device), paper)
+
+
 # ----------------------------------------------------------------------------- fusion
 #: The fusion rules (:mod:`ensemble_core.text.distributions` maps each to its class).
 FUSION_RULES = ("unite", "gac")
@@ -178,18 +202,21 @@ class PromptLookupOptions:
 
     ``prompt_lookup``: a drafter also feeds up to this many tokens guessed from its own
     context in each pass and keeps those it chooses anyway: the same draft in fewer passes
-    (0: one token per pass, as published; transformers' ``prompt_lookup_num_tokens``).
+    (0: one token per pass, as published; transformers' ``prompt_lookup_num_tokens``; None,
+    the default: the method's measured-best for the drafter's device, :func:`device_default`:
+    SAFE 4 on a CPU, else 0).
     ``prompt_lookup_max_requests``: guess only while at most this many requests decode
     together (None: always); guesses cost compute in a batched pass
     (:func:`~ensemble_core.decoding.lookup.guesses_now`).
     """
 
-    prompt_lookup: int = 0
+    prompt_lookup: int | None = None
     prompt_lookup_max_requests: int | None = 1
 
     def __post_init__(self) -> None:
         next_post_init(PromptLookupOptions, self)
-        check_int("prompt_lookup", self.prompt_lookup, 0, expected="an integer >= 0 (0: one token per pass)")
+        check_int("prompt_lookup", self.prompt_lookup, 0, optional=True,
+                  expected="an integer >= 0 (0: one token per pass), or None for the measured default")
         check_int("prompt_lookup_max_requests", self.prompt_lookup_max_requests, 1, optional=True,
                   expected="an integer >= 1, or None to guess at any number of concurrent requests")
 
@@ -202,6 +229,19 @@ RELIABILITY_WEIGHTS_EXPECTED = ("None, a list with one weight >= 0 per member, o
                                 "at least one weight > 0")
 
 
+def reliability_mode(config: Any) -> str:
+    """Where ``config``'s member weights come from: its ``reliability``, or when left at None the default,
+    ``"none"`` under ``published=True`` and ``"prior"`` otherwise ("none" for a config without the option).
+
+    Resolved where it is read, not stored back: a config re-made with ``dataclasses.replace`` (per-call
+    overrides) would otherwise carry the first resolution as if it were given.
+    """
+    mode = getattr(config, "reliability", "none")
+    if mode is None:
+        return "none" if getattr(config, "published", False) else "prior"
+    return str(mode)
+
+
 @dataclass(frozen=True)
 class ReliabilityOptions:
     """How much each member's vote counts (every ensemble method; :mod:`ensemble_core.methods.reliability`).
@@ -210,7 +250,8 @@ class ReliabilityOptions:
     size (parameters outside the embeddings and the output head), and a member without its
     own chat template, which answers a chat prompt through the fallback transcript, weighs
     ``template_penalty`` times that; SpecEM's Hedge starts from these weights and goes on
-    learning from verification. ``"none"``: every member weighs the same, as published.
+    learning from verification. ``"none"``: every member weighs the same, as published (the
+    default under ``published=True``).
     ``reliability_weights``: per-member weights measured on the user's own questions
     (:func:`~ensemble_core.methods.reliability.calibrate`; a list in member order or a
     ``{name: weight}`` mapping, members left out weigh 1); they replace the prior, a weight
@@ -218,13 +259,14 @@ class ReliabilityOptions:
     wins over both.
     """
 
-    reliability: str = "prior"
+    reliability: str | None = None
     reliability_weights: Any = None
     template_penalty: float = 0.25
 
     def __post_init__(self) -> None:
         next_post_init(ReliabilityOptions, self)
-        check_choice("reliability", self.reliability, RELIABILITY_MODES)
+        if self.reliability is not None:  # None: the default, resolved per request (reliability_mode)
+            check_choice("reliability", self.reliability, RELIABILITY_MODES)
         check_number("template_penalty", self.template_penalty, 0, 1, above=True,
                      expected="a number in (0, 1] (1: a member without a chat template weighs as its size says)")
         try:

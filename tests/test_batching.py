@@ -101,8 +101,9 @@ def test_prompt_lookup_guesses_only_while_few_requests_decode(method: str, llama
     so by default (``prompt_lookup_max_requests=1``) a drafter guesses only while its request
     decodes alone; None guesses at any load. The texts are the unbatched ones either way."""
     prompts = [f"Repeat: {w} {w} {w} {w} {w} {w} {w} {w} {w} {w}." for w in ("la", "do", "mi", "so")]
-    # uniform votes (reliability="none"): the recorded guess counts are of the published fusion
-    options = {"max_new_tokens": 16, "prompt_lookup": 4, "reliability": "none"}
+    # the published settings but for the lookup (uniform votes, drafts of lookahead tokens): the recorded
+    # guess counts are of the published fusion, and a random drafter's drafts would end after every token
+    options = {"max_new_tokens": 16, "prompt_lookup": 4, "published": True}
     alone = Ensemble([llama, gemma], method=method, batching=False, **options)
     expected = [alone.generate(p).text for p in prompts]
     passes = {}

@@ -51,7 +51,8 @@ class ScriptedLM(torch.nn.Module):
     Wraps a tiny transformers model: the forward pass and its KV cache are the inner
     model's (so the core's incremental decoding runs for real); the returned logits are
     replaced by a one-hot on the scripted token for each position. The full id sequence
-    is tracked from the cache length, as the core only feeds the uncached tail.
+    is tracked from the cache length, as the core only feeds the uncached tail; the reply
+    starts after the last assistant header (the first pass may also feed prompt-lookup guesses).
     """
 
     def __init__(self, inner: Any, tokenizer: Any, reply: Callable[[str], str]) -> None:
@@ -60,6 +61,7 @@ class ScriptedLM(torch.nn.Module):
         self.config = inner.config
         self.generation_config = inner.generation_config
         self._ids: list[int] = []
+        self._prompt_ids: list[int] = []
         self._prompt_len = 0
         self._target: list[int] = []
         self.prompts: list[str] = []
@@ -75,17 +77,29 @@ class ScriptedLM(torch.nn.Module):
     def get_output_embeddings(self) -> Any:
         return self.inner.get_output_embeddings()
 
+    def _prompt_end(self, ids: list[int]) -> int:
+        """Where the reply starts: after the last assistant header that opens a turn (right after an
+        ``<|im_end|>``), so that a first pass that also feeds prompt-lookup guesses (which may guess a
+        header) does not count them as prompt."""
+        marker = self.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        closer = self.tokenizer("<|im_end|>\n", add_special_tokens=False)["input_ids"]
+        for start in range(len(ids) - len(marker), -1, -1):
+            if ids[start:start + len(marker)] == marker and ids[max(0, start - len(closer)):start] == closer:
+                return start + len(marker)
+        return len(ids)
+
     def forward(self, input_ids: torch.Tensor, cache: Any = None, **kwargs: Any) -> Any:
         past = cache.get_seq_length() if cache is not None else 0
         new = input_ids[0].tolist()
-        if past == 0:  # a new request: the prompt
-            self._ids, self._prompt_len = new, len(new)
-            prompt = self.tokenizer.decode(new)
-            self.prompts.append(prompt)
-            script = self.tokenizer(self.reply(prompt), add_special_tokens=False)["input_ids"]
-            self._target = list(script) + [self.tokenizer.eos_token_id]
-        else:
-            self._ids = self._ids[:past] + new
+        self._ids = self._ids[:past] + new
+        if past == 0:  # a new request, or its cache rebuilt after a crop (ids past the same prompt)
+            end = self._prompt_end(self._ids)
+            if self._ids[:end] != self._prompt_ids or len(self._ids) == end:
+                self._prompt_ids, self._prompt_len = self._ids[:end], end
+                prompt = self.tokenizer.decode(self._prompt_ids)
+                self.prompts.append(prompt)
+                script = self.tokenizer(self.reply(prompt), add_special_tokens=False)["input_ids"]
+                self._target = list(script) + [self.tokenizer.eos_token_id]
         out = self.inner(input_ids=input_ids, cache=cache, **kwargs)
         rows = out.logits.shape[1]
         logits = torch.full_like(out.logits, -1e4)

@@ -114,7 +114,7 @@ def test_which_weights_win(trio_stubs: list[SimpleNamespace]) -> None:
 
 
 @pytest.mark.parametrize("option, value", [
-    ("reliability", "online"), ("reliability", None), ("template_penalty", 0), ("template_penalty", 1.5),
+    ("reliability", "online"), ("reliability", ""), ("template_penalty", 0), ("template_penalty", 1.5),
     ("template_penalty", "0.25"), ("reliability_weights", [-1, 1]), ("reliability_weights", "qwen"),
     ("reliability_weights", [0, 0]), ("reliability_weights", {"a": float("inf")}),
 ])

@@ -23,7 +23,8 @@ from ensemble_core.decoding.generation import GenerationResult
 from ensemble_core.decoding.pipeline import TokenPipeline
 from ensemble_core.ensemble import Ensemble
 from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
-from ensemble_core.methods.safe import SafeConfig, SafeEnsemble, SafeRequest
+from ensemble_core.methods.safe import SafeConfig, SafeEnsemble, SafeRequest, drafting_levers
+from ensemble_core.options import device_type, reliability_mode
 from ensemble_core.text.alignment import decode, is_common_boundary, tokenize
 
 FFFD = "\ufffd"
@@ -239,7 +240,7 @@ def test_prompt_lookup_drafts_the_same_text_in_fewer_passes(tiny_llama: Member, 
     runs = {}
     for lookup in (0, 4):
         method = checked(SafeEnsemble([tiny_llama, tiny_gemma], drafter=drafter, consensus_threshold=1.0,
-                                      max_new_tokens=24, prompt_lookup=lookup))
+                                      max_new_tokens=24, prompt_lookup=lookup, draft_confidence=0.0))
         greedy = method.generate(prompt)
         sampled = method.generate(prompt, do_sample=True, temperature=0.7, seed=3)
         check_result(greedy, 24)
@@ -248,6 +249,39 @@ def test_prompt_lookup_drafts_the_same_text_in_fewer_passes(tiny_llama: Member, 
     assert runs[4][:3] == runs[0][:3]
     assert runs[4][3] < runs[0][3]  # fewer drafter passes
     assert runs[4][4] == runs[0][4] == 0  # crops stayed exact
+
+
+@pytest.mark.parametrize("device, kind", [
+    ("cpu", "cpu"), (torch.device("cuda", 1), "cuda"), ("mps", "mps"), ("ray:10.0.0.2/cuda:0/7f3a", "cuda"),
+    ("ray:node/cpu/1", "cpu"),
+])
+def test_device_type_reads_local_and_ray_devices(device: Any, kind: str) -> None:
+    assert device_type(device) == kind
+
+
+def test_drafting_levers_are_the_measured_defaults_on_a_cpu_and_published_elsewhere() -> None:
+    """CPU: prompt lookup 4 and drafts ended below 0.5 (measured faster, docs/configuration.md); a GPU
+    keeps the published 0 / 0 until measured there; ``published=True`` and explicit values win."""
+    assert drafting_levers(SafeConfig(), "cpu") == (4, 0.5)
+    assert drafting_levers(SafeConfig(), "cuda:0") == (0, 0.0)
+    assert drafting_levers(SafeConfig(published=True), "cpu") == (0, 0.0)
+    assert drafting_levers(SafeConfig(prompt_lookup=2, published=True), "cpu") == (2, 0.0)
+    assert drafting_levers(SafeConfig(draft_confidence=0.0), "cpu") == (4, 0.0)
+    assert drafting_levers(SafeConfig(prompt_lookup=0, draft_confidence=0.3), "cuda") == (0, 0.3)
+
+
+def test_published_survives_per_call_overrides(tiny_llama: Member, tiny_gemma: Member) -> None:
+    """Defaults are resolved where they are read: a config re-made for one call (``dataclasses.replace``)
+    keeps ``published=True`` meaning uniform votes and the published drafting."""
+    ensemble = Ensemble([tiny_llama, tiny_gemma], method="safe", published=True, max_new_tokens=6)
+    assert reliability_mode(ensemble.config) == "none" and reliability_mode(SafeConfig()) == "prior"
+    assert reliability_mode(SafeConfig(published=True, reliability="prior")) == "prior"
+    published = ensemble.generate("Hi", max_new_tokens=4).stats
+    default = Ensemble([tiny_llama, tiny_gemma], method="safe", max_new_tokens=6).generate("Hi", max_new_tokens=4).stats
+    assert (published["reliability"], published["prompt_lookup"], published["draft_confidence"]) == ("none", 0, 0.0)
+    assert (default["reliability"], default["prompt_lookup"], default["draft_confidence"]) == ("prior", 4, 0.5)
+    with pytest.raises(InvalidOptionError, match="published"):
+        SafeConfig(published="yes")
 
 
 # ============================================================================ real models
@@ -302,8 +336,9 @@ def test_drafting_levers_keep_the_drafters_greedy_tokens(real_pair: list[Member]
                                                           tokens: int) -> None:
     """With consensus_threshold 0 SAFE writes the drafter's greedy text: shorter drafts change the
     rounds (``draft_confidence``), guessed tokens the drafter's passes (``prompt_lookup``), not the text."""
-    plain = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=tokens), prompt)
-    pulled = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=tokens, **lever), prompt)
+    plain = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=tokens, published=True), prompt)
+    pulled = drive(SafeEnsemble(real_pair, consensus_threshold=0.0, max_new_tokens=tokens, published=True, **lever),
+                   prompt)
     assert list(pulled.views[0].tokens.ids) == list(plain.views[0].tokens.ids) == greedy_ids(real_pair[0], prompt, tokens)
     if "draft_confidence" in lever:
         assert pulled.counters.rounds > plain.counters.rounds

@@ -83,6 +83,11 @@ class GenerationConfig:
     #: member answer after it, and the adapters drop it from the calls, so an agent gets an answer
     #: instead of the same call until its step limit (:mod:`ensemble_core.constraints.lazy`).
     exclude_repeated_calls: bool = True
+    #: The papers' exact settings for every option left at its default (uniform votes, one token
+    #: per drafter pass, drafts of ``lookahead`` tokens), where the defaults are otherwise the
+    #: measured-best per device (:func:`~ensemble_core.options.device_default`; docs/configuration.md
+    #: says which is which). An option given explicitly wins either way.
+    published: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +113,7 @@ class GenerationConfig:
         check_margin(self.close_margin)
         check_bool("lazy_tool_grammar", self.lazy_tool_grammar)
         check_bool("exclude_repeated_calls", self.exclude_repeated_calls)
+        check_bool("published", self.published)
         next_post_init(GenerationConfig, self)  # the option groups a method config adds (ensemble_core.options)
 
     @property

@@ -100,10 +100,13 @@ class TokenLevelStats(RequestStats):
 class SafeStats(TokenLevelStats):
     """SAFE's counters: every drafted token is either ``accepted`` or ``replaced``; every
     candidate point is ``ensembled``, skipped as unstable (``skipped_oov``) or skipped by
-    consensus (``skipped_consensus``)."""
+    consensus (``skipped_consensus``). ``prompt_lookup`` and ``draft_confidence`` are the drafting
+    levers the request ran with (given, or the drafter's device's default)."""
 
     drafter: str = ""
     sharpening: str = "heuristic"
+    prompt_lookup: int = 0
+    draft_confidence: float = 0.0
     skipped_oov: int = 0
     skipped_consensus: int = 0
     drafted: int = 0

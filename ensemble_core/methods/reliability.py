@@ -51,6 +51,7 @@ from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import MemberStats
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.methods.single import SingleModel
+from ensemble_core.options import reliability_mode
 from ensemble_core.text.distributions import fusion_weights
 
 #: A calibrated member keeps its vote while its accuracy is at least this share of the best's.
@@ -145,7 +146,7 @@ def member_weights(members: Sequence[Member], config: Any) -> Weights:
         except InvalidOptionError as exc:
             raise InvalidOptionError("reliability_weights", calibrated, exc.expected) from None
         return Weights(tuple(values.tolist()), "reliability_weights")  # type: ignore[union-attr]
-    if getattr(config, "reliability", "none") == "none":
+    if reliability_mode(config) == "none":
         return Weights(tuple(1.0 / len(members) for _ in members), "none")
     return Weights(tuple(prior_weights(members, config.template_penalty)), "prior")
 

@@ -67,7 +67,14 @@ from ensemble_core.decoding.stats import MemberStats, SafeStats
 from ensemble_core.decoding.view import MemberView, start_views
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.methods.reliability import Votes, member_weights
-from ensemble_core.options import FusionOptions, PromptLookupOptions, ReliabilityOptions, check_int, check_number
+from ensemble_core.options import (
+    FusionOptions,
+    PromptLookupOptions,
+    ReliabilityOptions,
+    check_int,
+    check_number,
+    device_default,
+)
 from ensemble_core.text.alignment import (
     DECODE_CONTEXT,
     DEFAULT_MARGIN,
@@ -86,6 +93,11 @@ from ensemble_core.text.distributions import (
 
 #: The GaC variant only ensembles where the drafter itself is unsure.
 GAC_DRAFTER_CONFIDENT = 0.5
+#: SAFE's drafting levers per device type where they measured faster than the published settings
+#: without costing accuracy (``prompt_lookup``, ``draft_confidence``; docs/configuration.md): the
+#: Qwen pair on a 2-core CPU 0.86x Qwen alone per character with both, 1.38x without
+#: (docs/benchmarks.md). A GPU keeps the published 0 / 0 until a lent GPU measures them.
+MEASURED_LEVERS: dict[str, dict[str, Any]] = {"prompt_lookup": {"cpu": 4}, "draft_confidence": {"cpu": 0.5}}
 
 
 @dataclass(frozen=True)
@@ -114,8 +126,10 @@ class SafeConfig(GenerationConfig, FusionOptions, PromptLookupOptions, Reliabili
     generation calls ``assistant_confidence_threshold``. Such a token is where the members
     tend to disagree, and the tokens drafted after an ensemble point are thrown away. It pays
     where a verify pass is cheap next to the drafting it saves: 0.5 made SmolLM2 drafting for
-    Qwen2.5-0.5B 10-12 % faster per token on a CPU, and gained nothing for SmolLM2 drafting
-    for Gemma-3-270m (docs/benchmarks.md, "Early-ending drafts"), hence not the default.
+    Qwen2.5-0.5B 10-12 % faster per token on a CPU (docs/benchmarks.md, "Early-ending drafts").
+    ``prompt_lookup`` and ``draft_confidence`` left at None take the drafter's device's
+    measured-best (:data:`MEASURED_LEVERS`: on a CPU 4 and 0.5; elsewhere, until measured, the
+    published 0 and 0); ``published=True`` takes the published values (docs/configuration.md).
     """
 
     drafter: int | None = None
@@ -123,17 +137,23 @@ class SafeConfig(GenerationConfig, FusionOptions, PromptLookupOptions, Reliabili
     consensus_threshold: float = 0.5
     sharpening: str = "heuristic"
     margin: int = DEFAULT_MARGIN
-    draft_confidence: float = 0.0
+    draft_confidence: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("drafter", self.drafter, 0, optional=True,
                   expected="a member index >= 0, or None for the member with the largest reliability weight")
-        check_number("draft_confidence", self.draft_confidence, 0, 1, below=True,
-                     expected="a number in [0, 1) (0: drafts of lookahead tokens)")
+        check_number("draft_confidence", self.draft_confidence, 0, 1, below=True, optional=True,
+                     expected="a number in [0, 1) (0: drafts of lookahead tokens), or None for the measured default")
         check_int("lookahead", self.lookahead, 1)
         check_int("margin", self.margin, 0)
         check_number("consensus_threshold", self.consensus_threshold, 0, 1)
+
+
+def drafting_levers(config: SafeConfig, device: Any) -> tuple[int, float]:
+    """``(prompt_lookup, draft_confidence)`` for a request whose drafter runs on ``device``."""
+    return (device_default(config.prompt_lookup, 0, MEASURED_LEVERS["prompt_lookup"], device, config.published),
+            device_default(config.draft_confidence, 0.0, MEASURED_LEVERS["draft_confidence"], device, config.published))
 
 
 @dataclass
@@ -144,6 +164,8 @@ class SafeRequest:
     fusion: Distribution
     weights: torch.Tensor | None = None  # fusion weights per member (None: uniform)
     votes: Votes | None = None  # the members' weights and wins, for the stats
+    lookup: int = 0  # prompt-lookup guesses per drafter pass (the config's, or its device's default)
+    confidence: float = 0.0  # draft_confidence (the config's, or its device's default)
     text: str = ""
     counters: SafeStats = field(default_factory=lambda: SafeStats("safe"))  # counted as the request runs
     spent: int = 0  # generation steps: accepted drafter tokens + >= 1 per ensemble-chosen string
@@ -259,8 +281,9 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         fusion = self.fusion(config.distribution, config.top_k)
         weights = member_weights(self.members, config)  # fusion_weights, reliability_weights, the prior or uniform
         drafter = self.drafter_index(config)
+        lookup, confidence = drafting_levers(config, self.members[drafter].device)
         return SafeRequest(config, start_views(self.members, prompt, config), drafter, fusion, weights.tensor(),
-                           Votes.start(weights))
+                           Votes.start(weights), lookup=lookup, confidence=confidence)
 
     def step(self, request: SafeRequest) -> Chunk:
         request.counters.rounds += 1
@@ -288,8 +311,8 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         context = state.ids[max(0, base - DECODE_CONTEXT):base]
         mark = view.pipeline.checkpoint()  # a constrained request: the drafter drafts under its own grammar
         view.pipeline.set_budget(budget)  # closing pressure near the end
-        ids, probs = draft_tokens(state, limit, budget, view.pipeline, config.draft_confidence,
-                                  guesses_now(config.prompt_lookup, config.prompt_lookup_max_requests))
+        ids, probs = draft_tokens(state, limit, budget, view.pipeline, request.confidence,
+                                  guesses_now(request.lookup, config.prompt_lookup_max_requests))
         eos = ids[-1] in member.eos_token_ids
         text_ids = ids[:-1] if eos else ids
         pieces: list[str | None] = []
@@ -512,7 +535,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
             request.counters, method=self.name, tokens=len(request.views[request.drafter].tokens),
             members=self._members_stats(request), reliability=request.votes.source if request.votes else None,
             distribution=request.config.distribution, drafter=request.views[request.drafter].member.name,
-            sharpening=request.config.sharpening,
+            sharpening=request.config.sharpening, prompt_lookup=request.lookup, draft_confidence=request.confidence,
         )
 
     @staticmethod

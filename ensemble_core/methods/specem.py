@@ -199,7 +199,7 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
         for view in views:
             view.pipeline.set_budget(budget)  # closing pressure near the end, under a grammar
         # asked in the request's thread: the drafting pool's threads have no binding
-        lookup = guesses_now(cfg.prompt_lookup, cfg.prompt_lookup_max_requests)
+        lookup = guesses_now(cfg.prompt_lookup or 0, cfg.prompt_lookup_max_requests)  # None: 0, nothing measured faster
         candidates = run_all(lambda i: draft(views[i], i, length, request.stops, shared, lookup=lookup),
                              request.drafters, request.parallel)
         t1 = time.perf_counter()

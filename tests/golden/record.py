@@ -28,9 +28,10 @@ PROMPTS = [
 ]
 MAX_NEW_TOKENS = 40
 
-#: The published uniform votes: the ensemble cases were recorded before the members' votes were weighted
-#: (``reliability="prior"``, the default since: Gemma-3, without a chat template, would weigh a fifth here).
-PUBLISHED = {"reliability": "none"}
+#: The papers' settings: the ensemble cases were recorded before the members' votes were weighted
+#: (``reliability="prior"``, the default since: Gemma-3, without a chat template, would weigh a fifth here)
+#: and before SAFE's CPU default drafting levers (``prompt_lookup=4``, ``draft_confidence=0.5``).
+PUBLISHED = {"published": True}
 
 #: (case name, method, member indices into [smollm2, gemma3], config)
 CASES = [
