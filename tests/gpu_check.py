@@ -16,8 +16,12 @@ What it measures, written to ``OUT/gpu_check.json`` and printed:
   the largest score difference between the two in float32.
 - ``safe_ceiling``: SAFE with the 135M-shaped drafter and a 1B verifier with ensembling
   switched off (threshold 0: every draft accepted), i.e. the speed SAFE reaches when the
-  members agree, vs the verifier alone; plus one default-threshold run (random members
-  disagree everywhere, so that one is a stress test of the ensemble path, not a speed claim).
+  members agree, vs the verifier alone, with the defaults and with ``published=True`` (the
+  drafting levers are CPU defaults; on CUDA both should match until the levers are measured
+  there); plus one default-threshold run (random members disagree everywhere, so that one is
+  a stress test of the ensemble path, not a speed claim). Every method run also reports
+  ``syncs_per_token``: CUDA synchronisations per output token (``torch.cuda.set_sync_debug_mode``,
+  counted in a second, untimed run; ``ensemble_core.bench.host_reads``).
 - ``specem``: time to first segment and total time with two 1B members.
 - ``placement``: SAFE and SpecEM with the members on different devices (cuda and cpu).
 - ``batching``: total tokens/s of 1 and 16 concurrent GSM8K requests vs the same requests
@@ -45,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ensemble_core import Ensemble  # noqa: E402
 from ensemble_core.bench import verify_microbench  # noqa: E402
 from ensemble_core.bench.datasets import cot_prompt, load_dataset  # noqa: E402
+from ensemble_core.bench.host_reads import cuda_syncs  # noqa: E402
 from ensemble_core.decoding.members import Member  # noqa: E402
 from ensemble_core.decoding.verify_inline import score_candidates_inline, score_candidates_separately  # noqa: E402
 from ensemble_core.testing import tiny_config  # noqa: E402
@@ -112,9 +117,13 @@ def run_method(members: list[Member], method: str, tokens: int, **config) -> dic
     sync()
     result = ens.generate(prompt)
     tokens = result.stats.get("tokens", result.completion_tokens)  # random weights may pick text-less special tokens
+    with cuda_syncs() as syncs:  # a second, counted run (the counting slows it: not timed)
+        counted = ens.generate(prompt)
+    counted_tokens = max(1, counted.stats.get("tokens", counted.completion_tokens))
     return {"tokens": tokens, "seconds": result.seconds,
             "tokens_per_s": tokens / result.seconds if result.seconds else None,
             "time_to_first_chunk": result.time_to_first_chunk, "finish_reason": result.finish_reason,
+            "syncs_per_token": syncs["syncs"] / counted_tokens if torch.cuda.is_available() else None,
             "stats": result.stats.as_dict(), "text_head": result.text[:80]}
 
 
@@ -173,9 +182,11 @@ def main() -> int:
         "timing_bf16": verify_microbench([members["llama-1b"], members["gemma-1b"]], reps=args.reps, candidates=(2, 4, 8)),
         "max_abs_diff_fp32": {n: inline_equality(members[n]) for n in ("llama-1b", "gemma-1b")}})
     pair = [members["drafter-135m"], members["llama-1b"]]
-    step("safe_ceiling", lambda: {
-        "safe_threshold0": run_method(pair, "safe", args.tokens, consensus_threshold=0.0),
-        "safe_default_random_weights": run_method(pair, "safe", args.tokens // 2),
+    step("safe_ceiling", lambda: {  # the 135M shape drafts (by default the largest weight, the 1B, would)
+        "safe_threshold0": run_method(pair, "safe", args.tokens, consensus_threshold=0.0, drafter=0),
+        "safe_threshold0_published": run_method(pair, "safe", args.tokens, consensus_threshold=0.0, drafter=0,
+                                                published=True),
+        "safe_default_random_weights": run_method(pair, "safe", args.tokens // 2, drafter=0),
         "every_token_unite": run_method(pair, "every-token", args.tokens // 2)})
     step("specem", lambda: {"specem_two_1b": run_method([members["llama-1b"], members["gemma-1b"]], "specem",
                                                        args.tokens)})

@@ -39,6 +39,7 @@ from __future__ import annotations
 import gc
 import re
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -337,7 +338,9 @@ class Distribution(ABC):
         return self._tables
 
     def _check(self, probs: Sequence[torch.Tensor], drafter: int, prefixes: Sequence[bytes] | None,
-               weights: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[bytes]]:
+               weights: torch.Tensor | None = None, host: bool = True) -> tuple[list[torch.Tensor], list[bytes]]:
+        """The members' vectors checked and flattened (float32): on the CPU, or with ``host=False``
+        where they are, so that a rule that needs only a few entries reads only those (#38)."""
         n = len(self.members)
         if len(probs) != n:
             raise InvalidOptionError("probs", f"{len(probs)} vectors", f"one per member ({n})")
@@ -349,16 +352,19 @@ class Distribution(ABC):
             raise InvalidOptionError("weights", tuple(weights.shape), f"one weight per member ({n}): see fusion_weights()")
         out = []
         for p, table in zip(probs, self.tables):
-            p = p.detach().float().reshape(-1).cpu()
+            p = p.detach().float().reshape(-1)
+            p = p.cpu() if host else p
             if p.numel() != table.size:
                 raise InvalidOptionError("probs", f"a vector of {p.numel()}",
                                          f"{table.size} probabilities (the member's vocabulary)")
             out.append(p)
         return out, list(prefixes) if prefixes is not None else [b""] * n
 
-    def _top_selectable(self, p: torch.Tensor, selectable: torch.Tensor, k: int) -> list[int]:
-        k = min(k, int(selectable.sum()))
-        return torch.topk(p.masked_fill(~selectable, -1.0), k).indices.tolist()
+    @staticmethod
+    def _top_selectable(p: torch.Tensor, selectable: torch.Tensor, k: int) -> list[int]:
+        """The ``k`` most likely selectable ids of ``p``, found where ``p`` lives: one host read (the ids)."""
+        mask, count = _selectable_on(selectable, p.device)
+        return torch.topk(p.masked_fill(~mask, -1.0), min(k, count)).indices.tolist()
 
     @abstractmethod
     def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
@@ -368,6 +374,26 @@ class Distribution(ABC):
         ``weights``: one non-negative weight per member summing to 1 (:func:`fusion_weights`);
         None averages uniformly, as the papers do.
         """
+
+
+#: Per selectable mask (by id, checked against a weak reference): its count and its copies per device.
+_SELECTABLE: dict[int, tuple[weakref.ref[torch.Tensor], int, dict[str, torch.Tensor]]] = {}
+_SELECTABLE_LOCK = threading.Lock()
+
+
+def _selectable_on(selectable: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """A table's selectable mask on ``device`` and how many ids it selects, both kept per table: the
+    count is read once, not per token, and the mask copied once per device (a top-k runs where the
+    member's probabilities are, so that only the chosen ids come back to the host)."""
+    with _SELECTABLE_LOCK:
+        entry = _SELECTABLE.get(id(selectable))
+        if entry is None or entry[0]() is not selectable:
+            entry = _SELECTABLE[id(selectable)] = (weakref.ref(selectable), int(selectable.sum()), {})
+        _, count, copies = entry
+        mask = copies.get(str(device))
+        if mask is None:
+            mask = copies[str(device)] = selectable.to(device)
+    return mask, count
 
 
 def _strip_prefix(key: Key, prefix: bytes) -> Key | None:
@@ -395,7 +421,7 @@ class UniTE(Distribution):
 
     def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
              prefixes: Sequence[bytes] | None = None, weights: torch.Tensor | None = None) -> Candidates:
-        probs, prefixes = self._check(probs, drafter, prefixes, weights)
+        probs, prefixes = self._check(probs, drafter, prefixes, weights, host=False)  # only top-k entries are read
         tables = self.tables
         order = [drafter] + [m for m in range(len(probs)) if m != drafter]
         tops: list[list[Key]] = []
@@ -433,8 +459,9 @@ class UniTE(Distribution):
                     ids.append(int(first[0]))
                     slots.append(c)
         out = torch.zeros(len(keys))
-        if ids:
-            out.index_add_(0, torch.tensor(slots, dtype=torch.long), p[torch.tensor(ids, dtype=torch.long)])
+        if ids:  # gathered where p lives; only the candidates' entries travel
+            values = p[torch.tensor(ids, dtype=torch.long, device=p.device)].cpu()
+            out.index_add_(0, torch.tensor(slots, dtype=torch.long), values)
         return out
 
 
@@ -614,8 +641,12 @@ def prefix_merge(keys: Sequence[Key], fused: torch.Tensor, drafter_top: torch.Te
     disagree on how to tokenize what follows. Other scores are unchanged.
     """
     scores = fused.clone()
+    # read once, not per candidate (each element read is a host read); the threshold in fused's dtype, as
+    # the tensor comparison casts it
+    values, own = fused.tolist(), drafter_top.tolist()
+    floor = float(torch.tensor(min_prob, dtype=fused.dtype))
     for i, s in enumerate(keys):
-        if not isinstance(s, bytes) or fused[i] <= min_prob or not bool(drafter_top[i]) or _is_blank(s):
+        if not isinstance(s, bytes) or values[i] <= floor or not own[i] or _is_blank(s):
             continue
         extra = [j for j, t in enumerate(keys) if j != i and isinstance(t, bytes) and t.startswith(s)]
         if extra:
