@@ -14,27 +14,22 @@ interleaved driver. Arguments are ``ensemble bench``'s, e.g.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
+from pathlib import Path
 
 from ensemble_core import cli
 from ensemble_core.bench import runner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from variant_rows import with_variant  # noqa: E402
 
 SUFFIX = "reliability=none"
 _build_rows = runner.build_rows
 
 
 def build_both(members, options):  # type: ignore[no-untyped-def]
-    rows = _build_rows(members, options)
-    config = {k: dict(v) for k, v in options.method_config.items()}
-    config.setdefault("*", {})["reliability"] = "none"
-    ensembles = tuple(m for m in options.methods if m != "single")
-    if not ensembles:
-        return rows
-    published = _build_rows(members, dataclasses.replace(options, methods=ensembles, method_config=config))
-    for row in published:
-        row.label = row.label[:-1] + f"; {SUFFIX}]" if row.label.endswith("]") else f"{row.label}[{SUFFIX}]"
-    return rows + published
+    ensembles = [m for m in options.methods if m != "single"]
+    return with_variant(_build_rows, members, options, ensembles, {"*": {"reliability": "none"}}, SUFFIX)
 
 
 if __name__ == "__main__":
