@@ -1,0 +1,233 @@
+"""GPU benchmark at the papers' sizes (#38, item 3): 7-8B-shaped verifiers, 135M / 0.5B drafters.
+
+Not collected by pytest (CI has no GPU); ``--dry`` (tiny shapes, on the CPU) runs in CI through
+``tests/test_gpu_check.py`` so that the script still works when device time is spent. Run on a
+lent GPU from the repository root (``../shared/gpu/README.md``)::
+
+    bash .gpu/run.sh python3 tests/gpu_papers.py --tokenizers /tmp/g/tok --out $OUT/papers
+
+Random weights of real shapes with the real tokenizers: honest for speed (a pass costs the same
+whatever the weights are), silent on accuracy; every figure in the report says so. Written to
+``OUT/gpu_papers.json`` after every step (a step cut by the command's time limit leaves the
+others), and printed:
+
+- ``bandwidth``: device-to-device copy bandwidth measured here (GB/s), for the floors below.
+- ``members``: per shape, ms per token of a bare eager decode loop (forward + argmax with a
+  dynamic cache), of ``model.generate`` with transformers' static cache (which transformers
+  compiles on CUDA: the graphed reference), of the core's ``single`` method, and the
+  memory-bound floor (weight bytes / bandwidth). The slope between two lengths, so the prefill
+  does not count.
+- ``methods``: per method, ms per output token next to its biggest member alone, CUDA
+  synchronisations per token, peak memory: SAFE with every draft accepted (threshold 0) and with
+  the defaults (random members disagree everywhere: a worst case, not a claim), every-token,
+  SpecEM and generate-then-select on two 7-8B-class members.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ensemble_core import Ensemble  # noqa: E402
+from ensemble_core.bench.datasets import cot_prompt  # noqa: E402
+from ensemble_core.bench.host_reads import cuda_syncs  # noqa: E402
+from ensemble_core.decoding.members import Member  # noqa: E402
+from ensemble_core.testing import tiny_config  # noqa: E402
+
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May?")
+RANDOM = "random weights of real shapes: speed only, not accuracy"
+
+SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {  # name: (bundled alias, tokenizer folder, shape)
+    "qwen2.5-7b": ("qwen2.5-coder-0.5b-instruct", "qwen", dict(hidden=3584, layers=28, intermediate_size=18944,
+                                                              num_attention_heads=28, num_key_value_heads=4)),
+    "llama-3.1-8b": ("smollm2-135m-instruct", "smol", dict(hidden=4096, layers=32, intermediate_size=14336,
+                                                          num_attention_heads=32, num_key_value_heads=8)),
+    "gemma-3-4b": ("gemma3-270m", "gemma", dict(hidden=2560, layers=34, intermediate_size=10240,
+                                               num_attention_heads=8, num_key_value_heads=4, head_dim=256)),
+    "smollm2-135m": ("smollm2-135m-instruct", "smol", dict(hidden=576, layers=30, intermediate_size=1536,
+                                                          num_attention_heads=9, num_key_value_heads=3)),
+    "qwen2.5-0.5b": ("qwen2.5-coder-0.5b-instruct", "qwen", dict(hidden=896, layers=24, intermediate_size=4864,
+                                                                num_attention_heads=14, num_key_value_heads=2)),
+}
+#: (label, method, member names, options): the issue's rows. Drafters share their verifier's tokenizer
+#: where the papers' speculative setting does (0.5B Qwen for 7B Qwen), and cross it where SAFE does.
+METHODS: list[tuple[str, str, tuple[str, ...], dict[str, Any]]] = [
+    ("safe_threshold0_qwen0.5b_qwen7b", "safe", ("qwen2.5-0.5b", "qwen2.5-7b"), {"drafter": 0, "consensus_threshold": 0.0}),
+    ("safe_threshold0_smol135m_llama8b", "safe", ("smollm2-135m", "llama-3.1-8b"),
+     {"drafter": 0, "consensus_threshold": 0.0}),
+    ("safe_default_smol135m_qwen7b", "safe", ("smollm2-135m", "qwen2.5-7b"), {"drafter": 0}),
+    ("every_token_qwen7b_llama8b", "every-token", ("qwen2.5-7b", "llama-3.1-8b"), {}),
+    ("specem_qwen7b_llama8b", "specem", ("qwen2.5-7b", "llama-3.1-8b"), {}),
+    ("generate_then_select_qwen7b_llama8b", "generate-then-select", ("qwen2.5-7b", "llama-3.1-8b"), {}),
+]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build(name: str, tokenizers: Path, device: str, dtype: torch.dtype, dry: bool) -> Member:
+    """A random-weight member of that shape, initialised on ``device`` (``dry``: tiny shapes)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    alias, folder, shape = SHAPES[name]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers / folder, local_files_only=True)
+    config = tiny_config(alias, tokenizer, max_position_embeddings=8192, **({} if dry else shape))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval().requires_grad_(False)
+    return Member(model, tokenizer, name=name)
+
+
+def weight_bytes(member: Member) -> int:
+    return sum(p.numel() * p.element_size() for p in member.model.parameters())
+
+
+def bandwidth(device: str, megabytes: int) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), best of 5."""
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() / best / 1e9
+
+
+def slope_ms(run: Callable[[int], None], tokens: int) -> float:
+    """ms per token from the time of ``tokens`` and of a quarter as many (the prefill cancels)."""
+    times = {}
+    for n in (max(1, tokens // 4), tokens):
+        run(n)  # warm-up of that length (a compile, the caches)
+        sync()
+        t0 = time.perf_counter()
+        run(n)
+        sync()
+        times[n] = time.perf_counter() - t0
+    short, long = sorted(times)
+    return 1000 * (times[long] - times[short]) / (long - short)
+
+
+def eager_loop(member: Member, ids: torch.Tensor) -> Callable[[int], None]:
+    """A bare decode loop: forward + argmax on a dynamic cache, what any eager implementation pays."""
+    def run(n: int) -> None:
+        with torch.inference_mode():
+            out = member.model(ids, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(n):
+                out = member.model(token, past_key_values=past, use_cache=True)
+                past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return run
+
+
+def static_generate(member: Member, ids: torch.Tensor) -> Callable[[int], None]:
+    """transformers' static cache (compiled by ``generate`` on CUDA): the graphed reference."""
+    def run(n: int) -> None:
+        member.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              cache_implementation="static", pad_token_id=member.tokenizer.eos_token_id)
+    return run
+
+
+def core_single(member: Member) -> Callable[[int], None]:
+    ensemble = Ensemble([member], method="single")
+
+    def run(n: int) -> None:
+        ensemble.generate(cot_prompt(QUESTION), max_new_tokens=n)
+    return run
+
+
+def member_speeds(member: Member, tokens: int, gbps: float) -> dict[str, Any]:
+    ids = member.tokenizer(QUESTION, return_tensors="pt").input_ids.to(member.device)
+    out: dict[str, Any] = {"weights_gb": weight_bytes(member) / 1e9, "note": RANDOM}
+    out["floor_ms"] = 1000 * weight_bytes(member) / (gbps / 2 * 1e9)  # a pass reads the weights once
+    for key, make in (("eager_ms", lambda: eager_loop(member, ids)), ("static_generate_ms", lambda: static_generate(member, ids)),
+                      ("core_single_ms", lambda: core_single(member))):
+        try:
+            out[key] = slope_ms(make(), tokens)
+        except Exception as exc:  # noqa: BLE001 - one failed path does not hide the others
+            out[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return out
+
+
+def method_speed(members: list[Member], method: str, tokens: int, **options: Any) -> dict[str, Any]:
+    """ms per output token of one generation (after a warm-up), its syncs per token, peak memory."""
+    ensemble = Ensemble(members, method=method, max_new_tokens=tokens, **options)
+    prompt = cot_prompt(QUESTION)
+    ensemble.generate(prompt, max_new_tokens=8)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    result = ensemble.generate(prompt)
+    produced = max(1, result.stats.get("tokens", result.completion_tokens))
+    with cuda_syncs() as syncs:
+        ensemble.generate(prompt, max_new_tokens=min(tokens, 32))
+    rounds = result.stats.get("rounds") or produced
+    return {"ms_per_token": 1000 * result.seconds / produced, "tokens": produced, "chars": len(result.text),
+            "ms_per_round": 1000 * result.seconds / rounds,  # every-token: one round per fused piece
+            "syncs_per_token": syncs["syncs"] / min(tokens, 32) if torch.cuda.is_available() else None,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+            "stats": {k: result.stats.get(k) for k in ("e_t", "drafted", "accepted", "rounds", "prompt_lookup",
+                                                         "draft_confidence")},
+            "note": RANDOM}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizers", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=Path("results/gpu-papers"))
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--only", nargs="*", help="method labels to run (default: all)")
+    args = parser.parse_args()
+    device = "cpu" if args.dry else "cuda"
+    dtype = torch.float32 if args.dry else torch.bfloat16
+    import transformers
+
+    report: dict[str, Any] = {"env": {"torch": torch.__version__, "transformers": transformers.__version__,
+                                      "python": platform.python_version(),
+                                      "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+                              "note": RANDOM}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def step(key: str, fn: Callable[[], Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            report[key] = fn()
+        except Exception as exc:  # noqa: BLE001 - every step reports, one failure does not hide the others
+            report[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"== {key} ({time.perf_counter() - t0:.1f} s)\n{json.dumps(report[key], indent=1, default=str)}",
+              flush=True)
+        (args.out / "gpu_papers.json").write_text(json.dumps(report, indent=2, default=str))
+
+    step("bandwidth", lambda: {"gb_per_s": bandwidth(device, 64 if args.dry else 2048)})
+    gbps = report["bandwidth"].get("gb_per_s") or 1.0
+    members = {name: build(name, args.tokenizers, device, dtype, args.dry) for name in SHAPES}
+    step("members", lambda: {name: member_speeds(m, args.tokens, gbps) for name, m in members.items()})
+    for label, method, names, options in METHODS:
+        if args.only and label not in args.only:
+            continue
+        biggest = max(names, key=lambda n: weight_bytes(members[n]))
+        step(label, lambda names=names, method=method, options=options, biggest=biggest: method_speed(
+            [members[n] for n in names], method, args.tokens, **options)
+            | {"biggest_alone_ms": report["members"].get(biggest, {}).get("core_single_ms")})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
