@@ -94,9 +94,10 @@ from ensemble_core.text.distributions import (
 #: The GaC variant only ensembles where the drafter itself is unsure.
 GAC_DRAFTER_CONFIDENT = 0.5
 #: SAFE's drafting levers per device type where they measured faster than the published settings
-#: without costing accuracy (``prompt_lookup``, ``draft_confidence``; docs/configuration.md): the
-#: Qwen pair on a 2-core CPU 0.86x Qwen alone per character with both, 1.38x without
-#: (docs/benchmarks.md). A GPU keeps the published 0 / 0 until a lent GPU measures them.
+#: without costing accuracy (``prompt_lookup``, ``draft_confidence``; docs/configuration.md): SAFE on
+#: the Qwen pair with its default drafter (Qwen) on a 2-core CPU 0.63x Qwen alone per character with
+#: both, 2.09x without, the same text on 15 of 15 GSM8K questions (docs/benchmarks.md, "SAFE out of
+#: the box"). A GPU keeps the published 0 / 0 until a lent GPU measures them.
 MEASURED_LEVERS: dict[str, dict[str, Any]] = {"prompt_lookup": {"cpu": 4}, "draft_confidence": {"cpu": 0.5}}
 
 
