@@ -67,11 +67,13 @@ SHAPES = {  # name: (bundled alias whose tokenizer and architecture it takes, to
 }
 
 
-def build(name: str, tokenizers: Path, device: str, dtype: torch.dtype, dry: bool) -> Member:
-    """A random-weight member of that shape (``dry``: tiny_config's small default shape)."""
+def build(name: str, tokenizers: Path, device: str, dtype: torch.dtype, dry: bool,
+          shapes: dict | None = None) -> Member:
+    """A random-weight member of that shape (``shapes``, default :data:`SHAPES`; ``dry``: tiny_config's small
+    default shape), initialised on ``device``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    alias, folder, shape = SHAPES[name]
+    alias, folder, shape = (shapes or SHAPES)[name]
     tokenizer = AutoTokenizer.from_pretrained(tokenizers / folder, local_files_only=True)
     config = tiny_config(alias, tokenizer, max_position_embeddings=8192, **({} if dry else shape))
     torch.manual_seed(0)
@@ -145,6 +147,26 @@ def batching(members: dict[str, Member], tokens: int, levels: tuple[int, ...] = 
     return out
 
 
+def environment() -> dict:
+    """The versions and the GPU a report was measured with."""
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def run_step(report: dict, key: str, fn, out_file: Path) -> None:
+    """One check into ``report[key]`` (its error instead: one failure hides no other), printed, and the
+    report saved to ``out_file`` at once, so that a command stopped at its time limit keeps what it measured."""
+    t0 = time.perf_counter()
+    try:
+        report[key] = fn()
+    except Exception as exc:  # noqa: BLE001 - every check reports, one failure does not hide the others
+        report[key] = {"error": f"{type(exc).__name__}: {exc}"}
+    print(f"== {key} ({time.perf_counter() - t0:.1f} s)\n{json.dumps(report[key], indent=1, default=str)}", flush=True)
+    out_file.write_text(json.dumps(report, indent=2, default=str))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizers", type=Path, required=True)
@@ -156,25 +178,14 @@ def main() -> int:
     args = parser.parse_args()
     device = "cpu" if args.dry else "cuda"
     dtype = torch.float32 if args.dry else torch.bfloat16
-    report: dict = {"env": {"torch": torch.__version__, "python": platform.python_version(),
-                            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}}
-    import transformers
-
-    report["env"]["transformers"] = transformers.__version__
+    report: dict = {"env": environment()}
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
         (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
 
     def step(key: str, fn) -> None:
-        t0 = time.perf_counter()
-        try:
-            report[key] = fn()
-        except Exception as exc:  # noqa: BLE001 - every check reports, one failure does not hide the others
-            report[key] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"== {key} ({time.perf_counter() - t0:.1f} s)\n{json.dumps(report[key], indent=1, default=str)}",
-              flush=True)
-        save()
+        run_step(report, key, fn, args.out / "gpu_check.json")
 
     members = {name: build(name, args.tokenizers, device, dtype, args.dry) for name in SHAPES}
     step("single", lambda: {n: single_speed(m, args.tokens) for n, m in members.items()})

@@ -26,8 +26,6 @@ others), and printed:
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -37,15 +35,17 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_check import QUESTION, environment, run_step, sync  # noqa: E402  (this folder: the 1B-class check's helpers)
+from gpu_check import SHAPES as CHECK_SHAPES  # noqa: E402
+from gpu_check import build as build_shape  # noqa: E402
 
 from ensemble_core import Ensemble  # noqa: E402
 from ensemble_core.bench.datasets import cot_prompt  # noqa: E402
 from ensemble_core.bench.host_reads import cuda_syncs  # noqa: E402
 from ensemble_core.decoding.members import Member  # noqa: E402
-from ensemble_core.testing import tiny_config  # noqa: E402
 
-QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-            "How many clips did Natalia sell altogether in April and May?")
 RANDOM = "random weights of real shapes: speed only, not accuracy"
 
 SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {  # name: (bundled alias, tokenizer folder, shape)
@@ -55,8 +55,7 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {  # name: (bundled alias, 
                                                           num_attention_heads=32, num_key_value_heads=8)),
     "gemma-3-4b": ("gemma3-270m", "gemma", dict(hidden=2560, layers=34, intermediate_size=10240,
                                                num_attention_heads=8, num_key_value_heads=4, head_dim=256)),
-    "smollm2-135m": ("smollm2-135m-instruct", "smol", dict(hidden=576, layers=30, intermediate_size=1536,
-                                                          num_attention_heads=9, num_key_value_heads=3)),
+    "smollm2-135m": CHECK_SHAPES["drafter-135m"],
     "qwen2.5-0.5b": ("qwen2.5-coder-0.5b-instruct", "qwen", dict(hidden=896, layers=24, intermediate_size=4864,
                                                                 num_attention_heads=14, num_key_value_heads=2)),
 }
@@ -71,25 +70,6 @@ METHODS: list[tuple[str, str, tuple[str, ...], dict[str, Any]]] = [
     ("specem_qwen7b_llama8b", "specem", ("qwen2.5-7b", "llama-3.1-8b"), {}),
     ("generate_then_select_qwen7b_llama8b", "generate-then-select", ("qwen2.5-7b", "llama-3.1-8b"), {}),
 ]
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def build(name: str, tokenizers: Path, device: str, dtype: torch.dtype, dry: bool) -> Member:
-    """A random-weight member of that shape, initialised on ``device`` (``dry``: tiny shapes)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    alias, folder, shape = SHAPES[name]
-    tokenizer = AutoTokenizer.from_pretrained(tokenizers / folder, local_files_only=True)
-    config = tiny_config(alias, tokenizer, max_position_embeddings=8192, **({} if dry else shape))
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.eval().requires_grad_(False)
-    return Member(model, tokenizer, name=name)
 
 
 def weight_bytes(member: Member) -> int:
@@ -197,27 +177,15 @@ def main() -> int:
     args = parser.parse_args()
     device = "cpu" if args.dry else "cuda"
     dtype = torch.float32 if args.dry else torch.bfloat16
-    import transformers
-
-    report: dict[str, Any] = {"env": {"torch": torch.__version__, "transformers": transformers.__version__,
-                                      "python": platform.python_version(),
-                                      "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-                              "note": RANDOM}
+    report: dict[str, Any] = {"env": environment(), "note": RANDOM}
     args.out.mkdir(parents=True, exist_ok=True)
 
     def step(key: str, fn: Callable[[], Any]) -> None:
-        t0 = time.perf_counter()
-        try:
-            report[key] = fn()
-        except Exception as exc:  # noqa: BLE001 - every step reports, one failure does not hide the others
-            report[key] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"== {key} ({time.perf_counter() - t0:.1f} s)\n{json.dumps(report[key], indent=1, default=str)}",
-              flush=True)
-        (args.out / "gpu_papers.json").write_text(json.dumps(report, indent=2, default=str))
+        run_step(report, key, fn, args.out / "gpu_papers.json")
 
     step("bandwidth", lambda: {"gb_per_s": bandwidth(device, 64 if args.dry else 2048)})
     gbps = report["bandwidth"].get("gb_per_s") or 1.0
-    members = {name: build(name, args.tokenizers, device, dtype, args.dry) for name in SHAPES}
+    members = {name: build_shape(name, args.tokenizers, device, dtype, args.dry, SHAPES) for name in SHAPES}
     step("members", lambda: {name: member_speeds(m, args.tokens, gbps) for name, m in members.items()})
     for label, method, names, options in METHODS:
         if args.only and label not in args.only:
