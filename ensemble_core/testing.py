@@ -7,11 +7,13 @@ keeping the bundled models' *real* tokenizers keeps every cross-tokenizer code p
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ensemble_core.decoding.members import Member
+from ensemble_core.decoding.members import DecodeState, Member
+from ensemble_core.decoding.verify_inline import score_candidates_inline
 from ensemble_core.models.bundled import BUNDLED, convert_gguf
 from ensemble_core.models.products import use_cpu_products
 
@@ -101,3 +103,45 @@ def greedy_decode(state: Any, n: int) -> list[int]:
             break
         row = state.score([tok])[-1]
     return out
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How two states of one model agreed under :func:`lockstep`: the largest logit difference, greedy steps alike."""
+
+    max_diff: float
+    same_tokens: int
+    steps: int
+
+
+def lockstep(a: DecodeState, b: DecodeState, steps: int) -> Agreement:
+    """Drive two states of the same weights through every kind of pass a method makes, and compare.
+
+    Per step: a greedy decode step, a feed of 1-5 tokens (draft / verify windows), every third
+    step a crop of three tokens (a rejected draft), and three packed candidates scored in line
+    (SpecEM, generate-then-select), one of them empty and two scored as finished. Both states
+    are fed ``a``'s greedy token, so they stay in step when a near-tie flips. Used to hold
+    static passes to eager ones (tests/test_static_passes.py, and on a GPU tests/gpu_papers.py).
+    """
+    worst, same_tokens = 0.0, 0
+
+    def compare(x: torch.Tensor, y: torch.Tensor) -> None:
+        nonlocal worst
+        worst = max(worst, float((x.float() - y.float().to(x.device)).abs().max()))
+
+    for step in range(steps):
+        ra, rb = a.score(), b.score()
+        compare(ra, rb)
+        token = int(ra[-1].argmax())
+        same_tokens += token == int(rb[-1].argmax())
+        feed = [token, *random_ids(step % 5, step)]
+        compare(a.score(feed), b.score(feed))
+        if step % 3 == 2:
+            a.crop(len(a.ids) - 3)
+            b.crop(len(b.ids) - 3)
+        candidates = [random_ids(3, step + 100), random_ids(5, step + 200), []]
+        ends = [False, True, True]
+        for x, y in zip(score_candidates_inline(a, candidates, terminal=ends),
+                        score_candidates_inline(b, candidates, terminal=ends)):
+            compare(x, y)
+    return Agreement(worst, same_tokens, steps)

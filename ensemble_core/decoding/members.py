@@ -21,12 +21,13 @@ from ensemble_core.constraints.structured import StructuredRequest, with_instruc
 from ensemble_core.decoding.cache import can_crop_exactly, crop, new_cache
 from ensemble_core.decoding.forward import Job, causal_job, single_pass
 from ensemble_core.decoding.scheduler import Binding, current, run_job
+from ensemble_core.decoding.static import StaticCache, StaticPasses, route
 from ensemble_core.errors import (
     InputError,
     PromptTooLongError,
 )
 from ensemble_core.models.bundled import BUNDLED
-from ensemble_core.models.loading import MemberSpec, load_objects
+from ensemble_core.models.loading import MemberSpec, check_passes, load_objects
 from ensemble_core.text import alignment
 from ensemble_core.text.chat import (
     FALLBACK_STOPS,
@@ -42,7 +43,8 @@ class Member:
     """One model of an ensemble, with everything needed to decode with it incrementally."""
 
     def __init__(self, model: Any, tokenizer: Any, name: str | None = None,
-                 chat_template: str | None = None, stop_strings: Sequence[str] | None = None) -> None:
+                 chat_template: str | None = None, stop_strings: Sequence[str] | None = None,
+                 passes: str = "eager", max_cache_len: int | None = None) -> None:
         if model is None or tokenizer is None:
             raise InputError("A member needs both a model and a tokenizer.")
         if not hasattr(model, "config") or not callable(model):
@@ -56,6 +58,11 @@ class Member:
             () if has_template else FALLBACK_STOPS)
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids())
         self.vocab_size: int = int(model.get_output_embeddings().weight.shape[0])
+        #: How this member's passes run: None (``passes="eager"``), or its static passes and slots
+        #: (``"static"``, ``"graphs"``; :mod:`~ensemble_core.decoding.static`).
+        self.static: StaticPasses | None = None
+        if check_passes(passes) != "eager":
+            self.static = StaticPasses(model, passes, max_cache_len)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -64,7 +71,8 @@ class Member:
         spec = source if isinstance(source, MemberSpec) else MemberSpec(source=str(source), **options)
         model, tokenizer = load_objects(spec)
         name = spec.name or (str(spec.source) if spec.source in BUNDLED else Path(str(spec.source)).name or str(spec.source))
-        return cls(model, tokenizer, name=name, chat_template=spec.chat_template)
+        return cls(model, tokenizer, name=name, chat_template=spec.chat_template, passes=spec.passes,
+                   max_cache_len=spec.max_cache_len)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -175,6 +183,8 @@ class DecodeStats:
     tokens_fed: int = 0
     seconds: float = 0.0
     reprefills: int = 0
+    static_passes: int = 0  # passes run on the member's static slot (:mod:`~ensemble_core.decoding.static`)
+    graph_replays: int = 0  # of those, replayed CUDA graphs
 
 
 class DecodeState:
@@ -189,14 +199,22 @@ class DecodeState:
         self.member = member
         self.ids: list[int] = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
-        self.cache = new_cache(member.model)
+        self.stats = DecodeStats()
+        self.cache = self._static_cache() or new_cache(member.model)
         self.cached = 0
         self._fed_since_crop = 0
         self._last_row: torch.Tensor | None = None
-        self.stats = DecodeStats()
         #: The batcher of the request that created this state (None: every pass runs alone);
         #: see :mod:`ensemble_core.decoding.scheduler`.
         self.batch: Binding | None = current()
+
+    def _static_cache(self) -> StaticCache | None:
+        """A cache on one of the member's static slots, counting into this state's stats (None: eager)."""
+        static = self.member.static
+        cache = static.new_cache(self.prompt_len) if static is not None else None
+        if cache is not None:
+            cache.stats = self.stats
+        return cache
 
     @property
     def response_ids(self) -> list[int]:
@@ -242,7 +260,7 @@ class DecodeState:
         def direct() -> torch.Tensor:
             return single_pass(model, pending, cache, keep, device)
 
-        return causal_job(cache, pending, range(len(pending) - keep, len(pending)), direct, device)
+        return route(causal_job(cache, pending, range(len(pending) - keep, len(pending)), direct, device))
 
     def crop(self, n: int) -> None:
         """Keep the first ``n`` ids (``1 <= n <= len``), dropping the rest and their cache.

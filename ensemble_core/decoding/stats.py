@@ -49,11 +49,14 @@ class MemberStats:
     reprefills: int = 0
     weight: float | None = None
     wins: int | None = None
+    static_passes: int = 0  # passes run on a static slot (``passes="static"``/``"graphs"``)
+    graph_replays: int = 0  # of those, replayed CUDA graphs
 
     @classmethod
     def of(cls, state: DecodeState, role: str) -> MemberStats:
         s = state.stats
-        return cls(state.member.name, role, s.forward_passes, s.tokens_fed, round(s.seconds, 4), s.reprefills)
+        return cls(state.member.name, role, s.forward_passes, s.tokens_fed, round(s.seconds, 4), s.reprefills,
+                   static_passes=s.static_passes, graph_replays=s.graph_replays)
 
 
 @dataclass(eq=False)

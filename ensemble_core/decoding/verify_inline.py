@@ -44,6 +44,7 @@ from ensemble_core.decoding.masks import layer_types, packed_layout, packed_mask
 from ensemble_core.decoding.members import DecodeState, Member
 from ensemble_core.decoding.rows import delegate
 from ensemble_core.decoding.scheduler import run_job
+from ensemble_core.decoding.static import route
 from ensemble_core.errors import InputError, UnsupportedAttentionError, UnsupportedModelError
 
 #: Attention implementations that add a custom 4-D float mask to the scores.
@@ -154,7 +155,7 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | torch
         job = causal_job(cache, ids, keep, direct, member.device)
     else:
         job = Job(cache, [int(i) for i in ids], layout[0], layout[1], keep, direct)
-    rows = run_job(state.batch, member, job)
+    rows = run_job(state.batch, member, route(job))
     state.stats.forward_passes += 1
     state.stats.tokens_fed += len(ids)
     state.stats.seconds += time.perf_counter() - t0

@@ -54,7 +54,10 @@ class MemberSpec:
     makes passes of several tokens (verify windows, packed candidates, batched steps,
     prefill) 1.2-2x faster with the same values, for a second copy of those weights in
     memory: None (default) does it when the copy fits easily in the memory available at
-    load, True / False decide (see :mod:`ensemble_core.models.products`).
+    load, True / False decide (see :mod:`ensemble_core.models.products`). ``passes``: how the
+    member's forward passes run: ``"eager"`` (default), ``"static"`` (fixed shapes over a
+    preallocated KV slot of ``max_cache_len`` tokens) or ``"graphs"`` (static, replayed as CUDA
+    graphs; experimental until measured on a GPU). See :mod:`ensemble_core.decoding.static`.
     """
 
     source: str
@@ -67,6 +70,8 @@ class MemberSpec:
     trust_remote_code: bool = False
     quantize: str | None = None
     prepack: bool | None = None
+    passes: str = "eager"
+    max_cache_len: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, (str, os.PathLike)) or not str(self.source).strip():
@@ -82,6 +87,21 @@ class MemberSpec:
                 raise InvalidOptionError("device", self.device, "a torch device string such as 'cpu' or 'cuda:0'") from exc
         check_scheme(self.quantize, _resolve_dtype(self.dtype, self.device), self.device, self.device_map)
         check_bool("prepack", self.prepack, "None (when it fits in memory), True or False", optional=True)
+        check_passes(self.passes)
+        if self.max_cache_len is not None and (isinstance(self.max_cache_len, bool)
+                                               or not isinstance(self.max_cache_len, int) or self.max_cache_len < 64):
+            raise InvalidOptionError("max_cache_len", self.max_cache_len, "None or an int >= 64 (tokens per slot)")
+
+
+#: How a member's forward passes run (:mod:`ensemble_core.decoding.static`).
+PASS_MODES = ("eager", "static", "graphs")
+
+
+def check_passes(mode: Any) -> str:
+    """``mode`` when it is one of :data:`PASS_MODES`, else a typed error that lists them."""
+    if mode not in PASS_MODES:
+        raise InvalidOptionError("passes", mode, " or ".join(repr(m) for m in PASS_MODES))
+    return str(mode)
 
 
 def per_member_options(count: int, dtype: Any = "auto", devices: Sequence[str] = (),

@@ -1,0 +1,151 @@
+"""Static passes (``passes="static"`` / ``"graphs"``): the same logits and greedy tokens as eager, on fixed buffers.
+
+What a CPU can check of the CUDA-graph path (#38 item 1): every pass a method makes (decode
+steps, draft and verify windows, packed verify-in-line candidates, crops, cache branches) runs
+on the slot at bucketed shapes and gives eager's logits; the captured function reads nothing
+back to the host and never sizes itself by the cache (what a replay would get wrong); slots are
+lent and returned; what cannot run static falls back exactly. The capture itself needs a GPU
+(tests/gpu_papers.py --passes graphs).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from ensemble_core import Ensemble, InvalidOptionError
+from ensemble_core.bench.host_reads import HostReads
+from ensemble_core.decoding.members import Member
+from ensemble_core.decoding.static import StaticCache, StaticPasses, bucket_for
+from ensemble_core.models.loading import MemberSpec
+from ensemble_core.testing import lockstep, random_ids, tiny_member
+
+ALIASES = {
+    "smollm2-135m-instruct": {},
+    "qwen2.5-coder-0.5b-instruct": {},
+    # a window of 8 makes every context here longer than the window: sliding layers are exercised
+    "gemma3-270m": {"layers": 6, "sliding_window": 8},
+}
+
+
+def static_twin(member: Member, mode: str = "static", max_cache_len: int | None = 256) -> Member:
+    """The same weights and tokenizer, passes run ``mode``."""
+    return Member(member.model, member.tokenizer, name=f"{member.name}-{mode}", passes=mode, max_cache_len=max_cache_len)
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+def test_static_passes_give_eager_logits_and_greedy_tokens(alias: str) -> None:
+    eager = tiny_member(alias, seed=1, **ALIASES[alias])
+    static = static_twin(eager)
+    a, b = eager.start_from_ids(random_ids(20, 3)), static.start_from_ids(random_ids(20, 3))
+    assert isinstance(b.cache, StaticCache) and not isinstance(a.cache, StaticCache)
+    agreement = lockstep(a, b, 24)
+    assert agreement.max_diff < 1e-4 and agreement.same_tokens == agreement.steps
+    assert b.stats.static_passes == b.stats.forward_passes > 24  # every pass ran on the slot, none fell back
+    assert static.static is not None and static.static.counts["fallbacks"] == 0
+    assert b.stats.reprefills == 0  # sliding layers keep every state: crops past the window stay exact
+    assert len(b.cache.slot.buckets) >= 4  # decode steps, feeds and packed candidates used several buckets
+
+
+@pytest.mark.parametrize("method", ["single", "safe", "every-token", "specem", "generate-then-select"])
+def test_every_method_writes_eager_texts_with_static_members(method: str) -> None:
+    llama = tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
+    gemma = tiny_member("gemma3-270m", seed=0, initializer_range=0.2, layers=6, sliding_window=8)
+    eager = [llama] if method == "single" else [llama, gemma]
+    static = [static_twin(m) for m in eager]
+    prompts = ["What is 2 + 2?", "Name three colours.", "A longer prompt: " + "the fox jumps; " * 4]
+    options = {"max_new_tokens": 12}
+    expected = Ensemble(eager, method=method, batching=False, **options).batch(prompts)
+    got = Ensemble(static, method=method, **options).batch(prompts)  # batched requests: static rows run per row
+    assert [r.text for r in got] == [r.text for r in expected]
+    assert sum(bool(r.text) for r in expected) >= 2  # not vacuous
+    assert all(m.static is not None and m.static.counts["static"] > 0 for m in static)
+    passes = [m for r in got for m in r.stats["members"]]
+    assert sum(m["static_passes"] for m in passes) > 0
+
+
+def test_a_static_pass_reads_nothing_back_to_the_host() -> None:
+    """What a CUDA graph records must not read tensor values on the host (a capture would fail or freeze
+    the value) nor size itself by the cache (``WriteCache.get_seq_length`` raises)."""
+    member = static_twin(tiny_member("gemma3-270m", seed=1, layers=6, sliding_window=8))
+    state = member.start_from_ids(random_ids(12, 5))
+    state.score()
+    for n in (1, 3, 7):
+        state.score(random_ids(n, n))
+    runner = member.static
+    assert runner is not None and isinstance(state.cache, StaticCache)
+    slot = state.cache.slot
+    assert sorted(slot.buckets) == [(1, 256), (4, 256), (8, 256), (16, 256)]  # the prefill (12 tokens): bucket 16
+    for bucket in slot.buckets.values():
+        with HostReads() as reads:
+            runner._forward(slot, bucket.span, bucket.ids, bucket.positions, bucket.write, bucket.masks)
+        assert reads.total == 0, (bucket.ids.shape, reads.counts)
+
+
+def test_passes_read_the_shortest_span_of_the_slot_that_holds_them() -> None:
+    eager = tiny_member("gemma3-270m", seed=4, layers=6, sliding_window=8)
+    static = static_twin(eager, max_cache_len=1024)
+    assert static.static is not None and static.static.spans == (256, 512, 1024)
+    a, b = eager.start_from_ids(random_ids(240, 7)), static.start_from_ids(random_ids(240, 7))
+    agreement = lockstep(a, b, 8)  # crosses 256 states: spans 256 then 512
+    assert agreement.max_diff < 1e-4 and agreement.same_tokens == agreement.steps
+    assert isinstance(b.cache, StaticCache)
+    assert {span for _, span in b.cache.slot.buckets} == {256, 512}
+    assert b.stats.static_passes == b.stats.forward_passes
+
+
+def test_a_state_that_outgrows_its_slot_leaves_it_and_stays_exact() -> None:
+    eager = tiny_member("qwen2.5-coder-0.5b-instruct", seed=2)
+    static = static_twin(eager, max_cache_len=64)
+    a, b = eager.start_from_ids(random_ids(20, 1)), static.start_from_ids(random_ids(20, 1))
+    for _ in range(60):  # 20 + 60 tokens: past the 64 of the slot
+        ra, rb = a.score(), b.score()
+        assert float((ra - rb).abs().max()) < 1e-4
+        token = int(ra[-1].argmax())
+        a.score([token])
+        b.score([token])
+    assert static.static is not None and static.static.counts["fallbacks"] > 0
+    assert isinstance(b.cache, StaticCache) and not b.cache.in_slot()
+    assert 0 < b.stats.static_passes < b.stats.forward_passes
+
+
+def test_slots_are_lent_to_one_state_at_a_time_and_returned() -> None:
+    member = tiny_member("smollm2-135m-instruct", seed=0)
+    member.static = StaticPasses(member.model, "static", max_cache_len=128, slots=1)
+    first = member.start_from_ids(random_ids(8, 0))
+    second = member.start_from_ids(random_ids(8, 1))
+    assert isinstance(first.cache, StaticCache)
+    assert not isinstance(second.cache, StaticCache)  # the only slot is lent: eager, exact
+    slot = first.cache.slot
+    del first
+    gc.collect()
+    third = member.start_from_ids(random_ids(70, 2))
+    assert not isinstance(third.cache, StaticCache)  # a prompt over half a slot stays eager
+    fourth = member.start_from_ids(random_ids(8, 3))
+    assert isinstance(fourth.cache, StaticCache) and fourth.cache.slot is slot  # returned and lent again
+
+
+def test_graphs_on_a_cpu_member_run_static_and_say_why() -> None:
+    member = static_twin(tiny_member("smollm2-135m-instruct", seed=0), mode="graphs")
+    state = member.start_from_ids(random_ids(8, 0))
+    state.score([5, 6])
+    runner = member.static
+    assert runner is not None and "CUDA" in runner.reasons["graphs"] and not runner.capturing
+    assert runner.counts["static"] == 1 and runner.counts["captures"] == 0 and state.stats.graph_replays == 0
+
+
+def test_bad_pass_options_raise_typed_errors() -> None:
+    member = tiny_member("smollm2-135m-instruct", seed=0)
+    with pytest.raises(InvalidOptionError, match="passes"):
+        Member(member.model, member.tokenizer, passes="fast")
+    with pytest.raises(InvalidOptionError, match="passes"):
+        MemberSpec("smollm2-135m-instruct", passes="cuda")
+    with pytest.raises(InvalidOptionError, match="max_cache_len"):
+        MemberSpec("smollm2-135m-instruct", passes="static", max_cache_len=8)
+    with pytest.raises(InvalidOptionError, match="max_cache_len"):
+        StaticPasses(member.model, "static", max_cache_len=16)
+
+
+def test_buckets_pad_to_the_next_size() -> None:
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 9, 32, 33)] == [1, 2, 4, 8, 16, 32, None]
