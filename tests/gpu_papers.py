@@ -21,6 +21,12 @@ others), and printed:
   synchronisations per token, peak memory: SAFE with every draft accepted (threshold 0) and with
   the defaults (random members disagree everywhere: a worst case, not a claim), every-token,
   SpecEM and generate-then-select on two 7-8B-class members.
+- with ``--passes static graphs`` (:mod:`ensemble_core.decoding.static`): per member shape the
+  core's ``single`` with those passes (``core_single_graphs_ms`` ...) and ``passes_<mode>``: the
+  largest logit difference and greedy agreement against eager over every kind of pass
+  (:func:`ensemble_core.testing.lockstep`; graphs against static should be 0: the same kernels),
+  the captures, replays and fallback reasons; every method row again with graphed members
+  (``<label>_graphs``). What decides whether "graphs" becomes the CUDA default.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from ensemble_core import Ensemble  # noqa: E402
 from ensemble_core.bench.datasets import cot_prompt  # noqa: E402
 from ensemble_core.bench.host_reads import cuda_syncs  # noqa: E402
 from ensemble_core.decoding.members import Member  # noqa: E402
+from ensemble_core.testing import lockstep, random_ids  # noqa: E402
 
 RANDOM = "random weights of real shapes: speed only, not accuracy"
 
@@ -132,12 +139,40 @@ def core_single(member: Member) -> Callable[[int], None]:
     return run
 
 
-def member_speeds(member: Member, tokens: int, gbps: float) -> dict[str, Any]:
+#: A slot long enough for the prompt, the tokens and packed candidates (spans keep short contexts cheap).
+SLOT_TOKENS = 1024
+
+
+def twin(member: Member, passes: str) -> Member:
+    """The same weights and tokenizer with its passes run ``passes``."""
+    return Member(member.model, member.tokenizer, name=f"{member.name}-{passes}", passes=passes,
+                  max_cache_len=SLOT_TOKENS)
+
+
+def passes_check(member: Member, passes: str, steps: int) -> dict[str, Any]:
+    """``passes`` against eager (and graphs against static) on every kind of pass, with the runner's counts."""
+    other = twin(member, passes)
+    prompt = random_ids(40, 0)
+    against_eager = lockstep(member.start_from_ids(prompt), other.start_from_ids(prompt), steps)
+    out: dict[str, Any] = {"vs_eager": vars(against_eager)}
+    if passes == "graphs":
+        static = twin(member, "static")
+        out["vs_static"] = vars(lockstep(static.start_from_ids(prompt), other.start_from_ids(prompt), steps))
+    runner = other.static
+    if runner is not None:
+        out |= {"counts": dict(runner.counts), "reasons": dict(runner.reasons)}
+    return out
+
+
+def member_speeds(member: Member, tokens: int, gbps: float, passes: tuple[str, ...] = ()) -> dict[str, Any]:
     ids = member.tokenizer(QUESTION, return_tensors="pt").input_ids.to(member.device)
     out: dict[str, Any] = {"weights_gb": weight_bytes(member) / 1e9, "note": RANDOM}
     out["floor_ms"] = 1000 * weight_bytes(member) / (gbps / 2 * 1e9)  # a pass reads the weights once
-    for key, make in (("eager_ms", lambda: eager_loop(member, ids)), ("static_generate_ms", lambda: static_generate(member, ids)),
-                      ("core_single_ms", lambda: core_single(member))):
+    paths: list[tuple[str, Callable[[], Callable[[int], None]]]] = [
+        ("eager_ms", lambda: eager_loop(member, ids)), ("static_generate_ms", lambda: static_generate(member, ids)),
+        ("core_single_ms", lambda: core_single(member))]
+    paths += [(f"core_single_{mode}_ms", lambda mode=mode: core_single(twin(member, mode))) for mode in passes]
+    for key, make in paths:
         try:
             out[key] = slope_ms(make(), tokens)
         except Exception as exc:  # noqa: BLE001 - one failed path does not hide the others
@@ -174,7 +209,11 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--only", nargs="*", help="method labels to run (default: all)")
+    parser.add_argument("--passes", nargs="*", default=[], choices=["static", "graphs"],
+                        help="also measure members and methods with these passes (ensemble_core.decoding.static)")
+    parser.add_argument("--check-steps", type=int, default=24, help="lockstep steps of the passes check")
     args = parser.parse_args()
+    passes = tuple(args.passes)
     device = "cpu" if args.dry else "cuda"
     dtype = torch.float32 if args.dry else torch.bfloat16
     report: dict[str, Any] = {"env": environment(), "note": RANDOM}
@@ -186,14 +225,21 @@ def main() -> int:
     step("bandwidth", lambda: {"gb_per_s": bandwidth(device, 64 if args.dry else 2048)})
     gbps = report["bandwidth"].get("gb_per_s") or 1.0
     members = {name: build_shape(name, args.tokenizers, device, dtype, args.dry, SHAPES) for name in SHAPES}
-    step("members", lambda: {name: member_speeds(m, args.tokens, gbps) for name, m in members.items()})
+    for mode in passes:  # first: whether the passes are right at all, before their speed counts
+        step(f"passes_{mode}", lambda mode=mode: {name: passes_check(m, mode, args.check_steps)
+                                                  for name, m in members.items()})
+    step("members", lambda: {name: member_speeds(m, args.tokens, gbps, passes) for name, m in members.items()})
+    graphed = {name: twin(m, "graphs") for name, m in members.items()} if "graphs" in passes else {}
     for label, method, names, options in METHODS:
         if args.only and label not in args.only:
             continue
         biggest = max(names, key=lambda n: weight_bytes(members[n]))
-        step(label, lambda names=names, method=method, options=options, biggest=biggest: method_speed(
-            [members[n] for n in names], method, args.tokens, **options)
-            | {"biggest_alone_ms": report["members"].get(biggest, {}).get("core_single_ms")})
+        for suffix, pool, alone in (("", members, "core_single_ms"), ("_graphs", graphed, "core_single_graphs_ms")):
+            if not pool:
+                continue
+            step(label + suffix, lambda names=names, method=method, options=options, biggest=biggest, pool=pool,
+                 alone=alone: method_speed([pool[n] for n in names], method, args.tokens, **options)
+                 | {"biggest_alone_ms": report["members"].get(biggest, {}).get(alone)})
     return 0
 
 

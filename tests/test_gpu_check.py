@@ -52,15 +52,22 @@ def test_gpu_papers_dry_runs_every_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "gpu_papers.py"), "--tokenizers", str(tokenizers),
-                           "--out", str(out), "--dry", "--tokens", "8"],
+                           "--out", str(out), "--dry", "--tokens", "8", "--passes", "static", "graphs",
+                           "--check-steps", "4"],
                           capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "gpu_papers.json").read_text())
-    steps = ["bandwidth", "members"] + [label for label, *_ in papers.METHODS]
+    steps = ["bandwidth", "passes_static", "passes_graphs", "members"] + [
+        label + suffix for label, *_ in papers.METHODS for suffix in ("", "_graphs")]
     assert [s for s in steps if s not in report or "error" in report[s]] == [], {s: report.get(s) for s in steps}
     for name, speeds in report["members"].items():  # every path ran and was timed (a number, not an error;
         # the values themselves are not checked: tiny shapes on a shared CPU say nothing about speed)
-        assert all(isinstance(speeds[k], float) for k in
-                   ("floor_ms", "eager_ms", "static_generate_ms", "core_single_ms")), (name, speeds)
+        assert all(isinstance(speeds[k], float) for k in ("floor_ms", "eager_ms", "static_generate_ms", "core_single_ms",
+                                                          "core_single_static_ms", "core_single_graphs_ms")), (name, speeds)
+    for name, check in report["passes_static"].items():  # static passes hold to eager on every shape (float32 here)
+        assert check["vs_eager"]["same_tokens"] == check["vs_eager"]["steps"] == 4, (name, check)
+        assert check["vs_eager"]["max_diff"] < 1e-3 and check["counts"]["fallbacks"] == 0, (name, check)
+    for name, check in report["passes_graphs"].items():  # on a CPU "graphs" runs static and says why
+        assert check["vs_static"]["max_diff"] == 0.0 and "CUDA" in check["reasons"]["graphs"], (name, check)
     assert all(report[label]["tokens"] >= 1 and isinstance(report[label]["ms_per_token"], float)
                for label, *_ in papers.METHODS)
