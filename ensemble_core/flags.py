@@ -14,7 +14,7 @@ from typing import Any
 from ensemble_core.decoding.members import Member
 from ensemble_core.ensemble import DEFAULT_MEMBERS, resolve_members
 from ensemble_core.errors import InvalidOptionError
-from ensemble_core.models.loading import per_member_options
+from ensemble_core.models.loading import PASS_MODES, per_member_options
 from ensemble_core.models.quantize import SCHEMES
 
 
@@ -48,7 +48,8 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, dict[str, Any]]:
 
 def member_options(args: argparse.Namespace, count: int) -> list[dict[str, Any]]:
     """Per-member load options from ``--device``, ``--dtype``, ``--quantize`` (one for all or one each), ``--prepack``."""
-    return per_member_options(count, args.dtype, args.device or (), args.quantize or (), prepack_flag(args.prepack))
+    return per_member_options(count, args.dtype, args.device or (), args.quantize or (), prepack_flag(args.prepack),
+                              args.passes)
 
 
 def prepack_flag(value: str) -> bool | None:
@@ -69,7 +70,8 @@ def add_member_flags(p: argparse.ArgumentParser, default_members: bool = True) -
 
 
 def add_load_flags(p: argparse.ArgumentParser) -> None:
-    """``--device``, ``--dtype``, ``--quantize``, ``--prepack``: how members load (read by :func:`member_options`)."""
+    """``--device``, ``--dtype``, ``--quantize``, ``--prepack``, ``--passes``: how members load and run
+    (read by :func:`member_options`)."""
     p.add_argument("--device", nargs="+", metavar="DEVICE", default=None,
                    help="one device for all members or one per member, e.g. --device cuda:0 cuda:1 (default cpu)")
     p.add_argument("--dtype", nargs="+", default=["auto"], choices=["auto", "float32", "float16", "bfloat16"],
@@ -81,4 +83,8 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prepack", default="auto", choices=["auto", "on", "off"],
                    help="a second, prepacked copy of a float32 CPU member's linear weights makes passes of several "
                         "tokens 1.2-2x faster with the same outputs (auto: when it fits easily in memory)")
+    p.add_argument("--passes", default="eager", choices=list(PASS_MODES),
+                   help="how members run their forward passes: eager (default), static (fixed shapes over a "
+                        "preallocated KV slot) or graphs (static, replayed as CUDA graphs on a GPU; experimental): "
+                        "docs/gpu.md")
 

@@ -149,3 +149,15 @@ def test_bad_pass_options_raise_typed_errors() -> None:
 
 def test_buckets_pad_to_the_next_size() -> None:
     assert [bucket_for(n) for n in (1, 2, 3, 5, 9, 32, 33)] == [1, 2, 4, 8, 16, 32, None]
+
+
+@pytest.mark.real
+def test_the_bundled_pair_writes_the_same_answer_with_static_passes(real_pair: list[Member]) -> None:
+    """The real SmolLM2 + Gemma-3 pair (SAFE, defaults): static members give eager's text, every pass on a slot."""
+    question = "Tom has 3 apples and buys 5 more. How many apples does he have?"
+    expected = Ensemble(real_pair, max_new_tokens=24).generate(question)
+    static = [Member(m.model, m.tokenizer, name=m.name, passes="static", max_cache_len=512) for m in real_pair]
+    got = Ensemble(static, max_new_tokens=24).generate(question)
+    assert got.text == expected.text and len(got.text) > 10
+    members = got.stats["members"]
+    assert all(m["static_passes"] == m["forward_passes"] > 0 for m in members), members

@@ -51,6 +51,7 @@ class BenchOptions:
     dtype: str | tuple[str, ...] = "auto"  # one dtype for all members or one per member
     quantize: tuple[str | None, ...] = ()  # one scheme for all members or one per member ("none" / "int8")
     prepack: bool | None = None  # a prepacked copy of float32 CPU weights (None: when it fits; products.py)
+    passes: str = "eager"  # how members run their passes: eager, static or graphs (decoding/static.py)
     max_new_tokens: int = 256
     #: Same for every method: a base model answering through the fallback transcript goes on
     #: to invent the next "Question:" after answering; its answer is then not the last number.
@@ -357,7 +358,7 @@ def run_bench(options: BenchOptions, members: list[Member] | None = None) -> dic
         shots = [p for p in reversed(pool) if p.id not in chosen_ids][:n_shots]  # from the far end, never overlapping
     if members is None:
         member_options = per_member_options(len(options.members), options.dtype, options.devices, options.quantize,
-                                            options.prepack)
+                                            options.prepack, options.passes)
         members = [resolve_members([name], **opts)[0] for name, opts in zip(options.members, member_options)]
     rows = build_rows(members, options)
     active = [r for r in rows if r.runner is not None]

@@ -71,6 +71,7 @@ class ThroughputOptions:
     dtype: str | tuple[str, ...] = "auto"
     quantize: tuple[str | None, ...] = ()
     prepack: bool | None = None
+    passes: str = "eager"  # eager, static or graphs (decoding/static.py)
     concurrency: tuple[int, ...] = (1, 4, 8, 16)
     max_new_tokens: int = 64
     dataset: str = "gsm8k"
@@ -425,7 +426,7 @@ def run_throughput(options: ThroughputOptions, members: list[Member] | None = No
     specs = None
     if members is None:
         specs = [MemberSpec(name, **opts) for name, opts in zip(options.members, per_member_options(
-            len(options.members), options.dtype, options.devices, options.quantize, options.prepack))]
+            len(options.members), options.dtype, options.devices, options.quantize, options.prepack, options.passes))]
         members = resolve_members(specs)
         # the baseline process loads with this process's decisions: where memory decided, it could decide otherwise
         specs = [replace(s, prepack=is_prepacked(m.model)) if s.prepack is None else s for s, m in zip(specs, members)]

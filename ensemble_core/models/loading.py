@@ -105,12 +105,14 @@ def check_passes(mode: Any) -> str:
 
 
 def per_member_options(count: int, dtype: Any = "auto", devices: Sequence[str] = (),
-                       quantize: Sequence[str | None] = (), prepack: bool | None = None) -> list[dict[str, Any]]:
+                       quantize: Sequence[str | None] = (), prepack: bool | None = None,
+                       passes: str = "eager") -> list[dict[str, Any]]:
     """Load options of ``count`` members from command-line style lists (one value for all, or one per member).
 
     ``dtype`` is one value or a list (``["float32", "bfloat16"]``: a float32 drafter next to
     a bfloat16 verifier). ``quantize`` values are ``"int8"`` or ``"none"``/None. ``prepack``
-    is one value for all (None: when it fits; False: ``--no-prepack``, one copy of the weights). Shared by
+    is one value for all (None: when it fits; False: ``--no-prepack``, one copy of the weights), and so
+    is ``passes`` (``--passes``: eager, static or graphs). Shared by
     ``ensemble`` and ``ensemble bench`` so that both read their flags the same way.
     """
     def pick(values: Sequence[Any], flag: str, i: int) -> Any:
@@ -124,6 +126,8 @@ def per_member_options(count: int, dtype: Any = "auto", devices: Sequence[str] =
         opts: dict[str, Any] = {"dtype": pick(dtypes, "--dtype", i)}
         if prepack is not None:
             opts["prepack"] = prepack
+        if check_passes(passes) != "eager":
+            opts["passes"] = passes
         if devices:
             opts["device"] = pick(devices, "--device", i)
         if quantize:
