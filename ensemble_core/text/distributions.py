@@ -43,7 +43,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, ClassVar, Union
 
@@ -477,6 +477,16 @@ class UnionVocabulary:
     index: dict[bytes, int]
     maps: tuple[torch.Tensor, ...]
     selectable: torch.Tensor  # bool [len(keys) + 2]
+    _copies: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict, compare=False, repr=False)
+
+    def maps_on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """:attr:`maps` on ``device``, copied once per device (the union projection runs where the probabilities are)."""
+        key = str(device)
+        with _TABLE_LOCK:
+            maps = self._copies.get(key)
+            if maps is None:
+                maps = self._copies[key] = tuple(m.to(device) for m in self.maps)
+        return maps
 
     @property
     def end(self) -> int:
@@ -542,12 +552,18 @@ class GaC(Distribution):
         return self._union
 
     def union_probs(self, probs: Sequence[torch.Tensor], drafter: int = 0) -> torch.Tensor:
-        """Each member's distribution over the union vocabulary, ``[members, union + 2]``."""
-        probs, _ = self._check(probs, drafter, None)
+        """Each member's distribution over the union vocabulary, ``[members, union + 2]``, where the drafter's are.
+
+        Why there (#38): on a GPU, copying every member's whole vocabulary to the host per token
+        (151k floats for Qwen) and projecting it there serialised every step; now only the
+        chosen candidates' entries travel (:meth:`fuse`).
+        """
+        probs, _ = self._check(probs, drafter, None, host=False)
+        device = probs[drafter].device
         union = self.union
-        out = torch.zeros(len(probs), len(union.keys) + 2)
-        for row, p, mapping in zip(out, probs, union.maps):
-            row.index_add_(0, mapping, p)
+        out = torch.zeros(len(probs), len(union.keys) + 2, device=device)
+        for row, p, mapping in zip(out, probs, union.maps_on(device)):
+            row.index_add_(0, mapping, p.to(device))
         return out
 
     def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
@@ -561,10 +577,11 @@ class GaC(Distribution):
             fused = weighted_mean(per_member, weights)
             drafter_top = self._top_selectable(per_member[drafter], union.selectable, self.top_k)
             chosen = list(dict.fromkeys(drafter_top + self._top_selectable(fused, union.selectable, k)))
-            index = torch.tensor(chosen, dtype=torch.long)
+            index = torch.tensor(chosen, dtype=torch.long, device=per_member.device)
             top = torch.zeros(len(chosen), dtype=torch.bool)
             top[: len(drafter_top)] = True
-            return Candidates(tuple(union.key(i) for i in chosen), per_member[:, index], fused[index], top, weights)
+            rows = torch.cat([per_member[:, index], fused[index][None]]).cpu()  # one transfer: the candidates' entries
+            return Candidates(tuple(union.key(i) for i in chosen), rows[:-1], rows[-1], top, weights)
         tops: list[list[Key]] = []
         for m, prefix in enumerate(prefixes):
             size = self.top_k if m == drafter else k
@@ -572,12 +589,13 @@ class GaC(Distribution):
                         for i in self._top_selectable(per_member[m], union.selectable, size))
             tops.append([key for key in stripped if key is not None])
         keys, drafter_top_mask = _gather_candidates(tops, order, drafter)
+        at = [(m, c, pos) for m, prefix in enumerate(prefixes) for c, key in enumerate(keys)
+              if (pos := union.position(key if isinstance(key, EndOfText) else prefix + key)) is not None]
         member_probs = torch.zeros(len(prefixes), len(keys))
-        for m, prefix in enumerate(prefixes):
-            for c, key in enumerate(keys):
-                pos = union.position(key if isinstance(key, EndOfText) else prefix + key)
-                if pos is not None:
-                    member_probs[m, c] = per_member[m, pos]
+        if at:  # gathered where the union rows are, in one transfer
+            m_idx, c_idx, pos_idx = (torch.tensor(column, dtype=torch.long) for column in zip(*at))
+            device = per_member.device
+            member_probs[m_idx, c_idx] = per_member[m_idx.to(device), pos_idx.to(device)].cpu()
         return Candidates(tuple(keys), member_probs, weighted_mean(member_probs, weights), drafter_top_mask, weights)
 
 
@@ -623,7 +641,7 @@ def weighted_mean(member_probs: torch.Tensor, weights: torch.Tensor | None) -> t
     """The members' average over dim 0 (``member_probs[m, ...]``), weighted when ``weights`` are given."""
     if weights is None:
         return member_probs.mean(0)
-    return torch.tensordot(weights.to(member_probs.dtype), member_probs, dims=1)
+    return torch.tensordot(weights.to(member_probs.device, member_probs.dtype), member_probs, dims=1)
 
 
 # ============================================================================ sharpening
