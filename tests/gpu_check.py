@@ -147,6 +147,16 @@ def batching(members: dict[str, Member], tokens: int, levels: tuple[int, ...] = 
     return out
 
 
+#: A slot long enough for a prompt, the tokens and packed candidates (spans keep short contexts cheap).
+SLOT_TOKENS = 1024
+
+
+def twin(member: Member, passes: str) -> Member:
+    """The same weights and tokenizer with its passes run ``passes`` (``ensemble_core.decoding.static``)."""
+    return Member(member.model, member.tokenizer, name=f"{member.name}-{passes}", passes=passes,
+                  max_cache_len=SLOT_TOKENS)
+
+
 def environment() -> dict:
     """The versions and the GPU a report was measured with."""
     import transformers
@@ -175,6 +185,8 @@ def main() -> int:
     parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--reps", type=int, default=10, help="repetitions of the verify-in-line timings")
     parser.add_argument("--save", type=Path, help="also save drafter-135m and gemma-1b here (for `ensemble bench`)")
+    parser.add_argument("--passes", nargs="*", default=[], choices=["static", "graphs"],
+                        help="also measure batching with members whose passes run so (batching_<passes>)")
     args = parser.parse_args()
     device = "cpu" if args.dry else "cuda"
     dtype = torch.float32 if args.dry else torch.bfloat16
@@ -210,6 +222,9 @@ def main() -> int:
 
     step("placement", placement)
     step("batching", lambda: batching(members, args.tokens // 2))
+    for mode in args.passes:  # the batched pass over the static pool (captured per rows x tokens x span with graphs)
+        step(f"batching_{mode}", lambda mode=mode: batching({n: twin(m, mode) for n, m in members.items()},
+                                                            args.tokens // 2))
     if args.save:
         for name in ("drafter-135m", "gemma-1b"):
             members[name].model.save_pretrained(args.save / name)

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_check import QUESTION, environment, run_step, sync  # noqa: E402  (this folder: the 1B-class check's helpers)
+from gpu_check import QUESTION, environment, run_step, sync, twin  # noqa: E402  (this folder: the 1B-class check's helpers)
 from gpu_check import SHAPES as CHECK_SHAPES  # noqa: E402
 from gpu_check import build as build_shape  # noqa: E402
 
@@ -137,16 +137,6 @@ def core_single(member: Member) -> Callable[[int], None]:
     def run(n: int) -> None:
         ensemble.generate(cot_prompt(QUESTION), max_new_tokens=n)
     return run
-
-
-#: A slot long enough for the prompt, the tokens and packed candidates (spans keep short contexts cheap).
-SLOT_TOKENS = 1024
-
-
-def twin(member: Member, passes: str) -> Member:
-    """The same weights and tokenizer with its passes run ``passes``."""
-    return Member(member.model, member.tokenizer, name=f"{member.name}-{passes}", passes=passes,
-                  max_cache_len=SLOT_TOKENS)
 
 
 def passes_check(member: Member, passes: str, steps: int) -> dict[str, Any]:

@@ -32,11 +32,11 @@ def test_gpu_check_dry_runs_every_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "gpu_check.py"), "--tokenizers", str(tokenizers),
-                           "--out", str(out), "--dry", "--tokens", "8", "--reps", "1"],
+                           "--out", str(out), "--dry", "--tokens", "8", "--reps", "1", "--passes", "graphs"],
                           capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "gpu_check.json").read_text())
-    steps = ("single", "verify_inline", "safe_ceiling", "specem", "placement", "batching")
+    steps = ("single", "verify_inline", "safe_ceiling", "specem", "placement", "batching", "batching_graphs")
     assert [s for s in steps if s not in report or "error" in report[s]] == [], {s: report.get(s) for s in steps}
     assert report["verify_inline"]["max_abs_diff_fp32"]["llama-1b"] < 1e-3
 

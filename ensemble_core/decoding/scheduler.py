@@ -416,7 +416,10 @@ class Batcher:
     def _run_group(self, member: Any, jobs: list[Job]) -> None:
         t0 = time.perf_counter()
         results: list[torch.Tensor] | None = None
-        if len(jobs) > 1:
+        static = getattr(member, "static", None)
+        if len(jobs) > 1 and static is not None:  # rows on the member's static slots: one pass over its pool
+            results = static.run_batch(jobs)
+        if len(jobs) > 1 and results is None:
             try:
                 slab = self._slabs.setdefault(member.model, Slab())
                 before = (slab.stats.in_place, slab.stats.rebuilt)

@@ -6,19 +6,25 @@ an eager decode step of the SmolLM2-135M shape and of the Qwen2.5-0.5B shape bot
 overhead. A CUDA graph launches a whole captured pass at once, but replays fixed addresses
 and shapes, so everything a pass touches is fixed here:
 
-* **the KV states live in a slot**: per layer one ``[1, H, max_cache_len, D]`` buffer owned by
-  the member and lent to one request's :class:`~ensemble_core.decoding.members.DecodeState`
-  at a time (vLLM keeps the KV cache in the model runner too). The state's cache layers are
-  prefix views of the slot (:class:`SlotLayer`), so everything that crops or rewinds a cache
-  by slicing (``DecodeState.crop``, ``cache_branch``) works unchanged: crop-back is moving the
-  write position.
+* **the KV states live in a slot**: the member owns, per layer, one ``[slots, H, max_cache_len, D]``
+  buffer (its :class:`Pool`; vLLM keeps the KV cache in the model runner too), and lends row
+  ``i`` of it to one request's :class:`~ensemble_core.decoding.members.DecodeState` at a time.
+  The state's cache layers are prefix views of its row (:class:`SlotLayer`), so everything that
+  crops or rewinds a cache by slicing (``DecodeState.crop``, ``cache_branch``) works unchanged:
+  crop-back is moving the write position. The last 32 positions of every row (the largest
+  bucket) are scratch, where the padding rows of a batched pass write.
 * **a pass of n new tokens runs in the smallest bucket >= n** of :data:`BUCKETS`, padded (vLLM
   captures batch sizes the same way): its new states are written at the write position with
   ``index_copy_`` (positions from a buffer), and attention reads the whole slot through an
   additive mask that shows each query the states before it. Sliding-window layers (Gemma-3)
   keep every state too; their window is in their mask, so a rollback is exact on them as on
   full layers (no re-prefill).
-* ids, positions, write positions, the masks and the logits are buffers of the slot's bucket.
+* **a batched pass** (the scheduler's group of several requests' jobs) runs over the first R
+  rows of the pool (R = 1, 2, 4, 8, 16: the smallest that holds every participating slot), rows
+  not in the group padding: the pool is the batch, nothing is gathered or scattered, and each
+  row writes its new states at its own positions (``index_put_``).
+* ids, positions, write positions, the masks and the logits are buffers of the bucket (per
+  slot for one request's passes, per member for batched ones).
 
 Modes (``Member(passes=...)``, ``MemberSpec.passes``): ``"eager"`` (the default: dynamic caches,
 :mod:`~ensemble_core.decoding.forward`), ``"static"`` (these passes as ordinary calls: what a CPU
@@ -29,8 +35,7 @@ than the largest bucket (a prefill) runs at its exact shape, uncaptured; a captu
 leaves that bucket uncaptured; a state whose history outgrows its slot leaves it (its layers
 grow into ordinary buffers, :class:`~ensemble_core.decoding.cache.InPlaceAppend`) and runs the
 eager passes from then on; a member whose head is not a plain ``lm_head`` or that is split over
-devices stays eager. Batched passes of a static state run per row (captured batch buckets are
-the next step, docs/gpu.md).
+devices stays eager; a batched group with a row that is not on a slot runs per row.
 
 "graphs" stays behind this option until a run on a lent GPU shows it gives eager's greedy
 tokens and is faster (``tests/gpu_papers.py --passes graphs``): captured code nobody has
@@ -57,18 +62,37 @@ from ensemble_core.models.loading import check_passes
 #: Token counts a static pass is padded to (and, with "graphs", captured at): a decode step,
 #: draft and verify windows, packed candidates.
 BUCKETS = (1, 2, 4, 8, 16, 32)
+#: Row counts a batched pass is padded to (vLLM captures the same batch sizes).
+ROW_BUCKETS = (1, 2, 4, 8, 16)
 #: A slot's length when the member does not say (capped by the model's context window).
 DEFAULT_MAX_CACHE_LEN = 4096
 #: The shortest span of a slot a pass attends over (spans double up to the slot's length).
 MIN_SPAN = 256
+#: Slots per member: concurrent requests on a GPU (vLLM batches that many and more); on a CPU,
+#: where every pool row costs memory and a padded row costs compute, fewer.
+DEFAULT_SLOTS = {"cuda": 16, "other": 4}
 #: Eager runs on a side stream before a capture (lazy initialisation inside kernels and
 #: allocator warm-up must not be recorded; torch's documented recipe).
 WARMUP_RUNS = 2
 
 
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
-    """The smallest bucket that holds ``n`` tokens (None: longer than the largest)."""
+    """The smallest bucket that holds ``n`` (None: more than the largest)."""
     return next((b for b in buckets if b >= n), None)
+
+
+def span_sizes(length: int, shortest: int = MIN_SPAN) -> tuple[int, ...]:
+    """Spans a slot of ``length`` is read in: doubling from ``shortest``, then the whole slot."""
+    spans, span = [], shortest
+    while span < length:
+        spans.append(span)
+        span *= 2
+    return (*spans, length)
+
+
+def row_sizes(slots: int) -> tuple[int, ...]:
+    """Row counts of batched passes over a pool of ``slots`` rows."""
+    return (*(b for b in ROW_BUCKETS if b < slots), slots)
 
 
 class SlotLayer(RoomyLayer):
@@ -94,6 +118,46 @@ class SlotLayer(RoomyLayer):
         return self._k is self._slot_keys and self._in_buffer()
 
 
+@dataclass(eq=False)
+class Bucket:
+    """The fixed inputs and outputs of passes of ``R`` rows x ``k`` tokens over ``span`` states, and their graph."""
+
+    span: int
+    ids: torch.Tensor  # [R, k]
+    positions: torch.Tensor  # [R, k]
+    write: torch.Tensor  # [R, k]: the slot positions the new states go to
+    rows: torch.Tensor | None  # [R, k] pool rows of a batched pass (None: one slot's pass)
+    masks: dict[str, torch.Tensor]  # per layer type, [R, 1, k, span] additive
+    graph: Any = None
+    out: torch.Tensor | None = None  # [R, k, V] logits the graph writes
+    failed: str | None = None  # why this bucket is not captured
+
+    @property
+    def key(self) -> str:
+        return f"{self.ids.shape[0]}x{self.ids.shape[1]}x{self.span}"
+
+
+@dataclass(eq=False)
+class Slot:
+    """Row ``index`` of the pool: per layer a ``[1, H, L, D]`` keys and values view, and its one-request buckets."""
+
+    index: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    buckets: dict[tuple[int, int], Bucket] = field(default_factory=dict)  # by (tokens, span)
+    busy: bool = False
+
+
+@dataclass(eq=False)
+class Pool:
+    """Every slot's KV states of one member: per layer a ``[slots, H, L, D]`` keys and values buffer."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    slots: list[Slot]
+    buckets: dict[tuple[int, int, int], Bucket] = field(default_factory=dict)  # batched: by (rows, tokens, span)
+
+
 class StaticCache(DynamicCache):
     """A request's KV cache on one slot of a member's :class:`StaticPasses` (released when the cache is collected)."""
 
@@ -105,42 +169,29 @@ class StaticCache(DynamicCache):
         return all(isinstance(layer, SlotLayer) and layer.in_slot() for layer in self.layers)
 
 
-@dataclass(eq=False)
-class Bucket:
-    """The fixed inputs and outputs of passes of ``k`` tokens over a slot's first ``span`` states, and their graph."""
-
-    span: int
-    ids: torch.Tensor  # [1, k]
-    positions: torch.Tensor  # [1, k]
-    write: torch.Tensor  # [k]: the slot positions the new states go to
-    masks: dict[str, torch.Tensor]  # per layer type, [1, 1, k, span] additive
-    graph: Any = None
-    out: torch.Tensor | None = None  # [k, V] logits the graph writes
-    failed: str | None = None  # why this bucket is not captured
-
-
-@dataclass(eq=False)
-class Slot:
-    """KV storage for one request: per layer a keys and a values buffer, and the slot's buckets."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    buckets: dict[tuple[int, int], Bucket] = field(default_factory=dict)  # by (tokens, span)
-    busy: bool = False
-
-
 class WriteCache:
-    """The cache a static pass hands the model: new states go to the write positions, attention reads the whole slot."""
+    """The cache a static pass hands the model: new states go to the write positions, attention reads ``span`` states.
 
-    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], write: torch.Tensor) -> None:
-        self.keys, self.values, self.write = keys, values, write
+    ``keys`` / ``values`` are one slot's views (``rows`` None: every new state of the one row goes
+    to ``write[0]`` along the sequence) or the pool's buffers (``rows[r, j]``, ``write[r, j]``: where
+    row ``r``'s ``j``-th new state goes).
+    """
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], write: torch.Tensor,
+                 span: int, rows: torch.Tensor | None = None) -> None:
+        self.keys, self.values, self.write, self.span, self.rows = keys, values, write, span, rows
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        k.index_copy_(2, self.write, key_states)
-        v.index_copy_(2, self.write, value_states)
-        return k, v
+        if self.rows is None:
+            k.index_copy_(2, self.write[0], key_states)
+            v.index_copy_(2, self.write[0], value_states)
+            return k[:, :, :self.span], v[:, :, :self.span]
+        k[self.rows, :, self.write] = key_states.transpose(1, 2)
+        v[self.rows, :, self.write] = value_states.transpose(1, 2)
+        n = key_states.shape[0]
+        return k[:n, :, :self.span], v[:n, :, :self.span]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise RuntimeError("a static pass gives the model its position ids; nothing may size it by the cache")
@@ -162,15 +213,6 @@ class KVShape:
         return 2 * self.layers * self.heads * self.length * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
 
-def span_sizes(length: int, shortest: int = MIN_SPAN) -> tuple[int, ...]:
-    """Spans a slot of ``length`` is read in: doubling from ``shortest``, then the whole slot."""
-    spans, span = [], shortest
-    while span < length:
-        spans.append(span)
-        span *= 2
-    return (*spans, length)
-
-
 def kv_shape(model: Any, max_cache_len: int) -> KVShape:
     """A slot's shape for ``model`` (from its config; a pass checks it against the model's own states)."""
     cfg = text_config(model)
@@ -180,7 +222,7 @@ def kv_shape(model: Any, max_cache_len: int) -> KVShape:
     return KVShape(int(cfg.num_hidden_layers), heads, head_dim, max_cache_len, dtype, model.device)
 
 
-def unsupported_reason(model: Any, mode: str) -> str | None:
+def unsupported_reason(model: Any) -> str | None:
     """Why ``model`` cannot run static passes (None: it can)."""
     if type(model).__name__ not in PLAIN_HEADS or getattr(model, "model", None) is None \
             or getattr(model, "lm_head", None) is None:
@@ -194,37 +236,47 @@ def unsupported_reason(model: Any, mode: str) -> str | None:
     return None
 
 
+#: One request's part of a pass: its pool row, its job, its cached context.
+Placed = tuple[int, Job, int]
+
+
 class StaticPasses:
-    """A member's static passes: its slots, its buckets' buffers and graphs, and why anything fell back.
+    """A member's static passes: its pool of slots, its buckets' buffers and graphs, and why anything fell back.
 
     One per :class:`~ensemble_core.decoding.members.Member`. Passes of one member are
-    serialised by a lock (the slots' bucket buffers are shared by every pass of a bucket).
+    serialised by a lock (buckets are shared by every pass of their shape).
     """
 
-    def __init__(self, model: Any, mode: str = "static", max_cache_len: int | None = None, slots: int = 4,
+    def __init__(self, model: Any, mode: str = "static", max_cache_len: int | None = None, slots: int | None = None,
                  buckets: Sequence[int] = BUCKETS) -> None:
         check_passes(mode)
-        if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < max(buckets) + 1):
-            raise InvalidOptionError("max_cache_len", max_cache_len, f"an int of at least {max(buckets) + 1}")
-        if not isinstance(slots, int) or slots < 1:
-            raise InvalidOptionError("slots", slots, "an int >= 1")
+        self.buckets = tuple(sorted(buckets))
+        self.tail = self.buckets[-1]  # scratch positions at the end of every slot (padding rows write there)
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 2 * self.tail):
+            raise InvalidOptionError("max_cache_len", max_cache_len, f"an int of at least {2 * self.tail}")
         self.model = model
         self.mode = mode
-        self.buckets = tuple(sorted(buckets))
         cfg = text_config(model)
         window = int(getattr(cfg, "max_position_embeddings", 0) or DEFAULT_MAX_CACHE_LEN)
         self.shape = kv_shape(model, max_cache_len or min(window, DEFAULT_MAX_CACHE_LEN))
+        if slots is None:
+            slots = DEFAULT_SLOTS["cuda" if self.shape.device.type == "cuda" else "other"]
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise InvalidOptionError("slots", slots, "an int >= 1")
         self.max_slots = slots
+        self.room = self.shape.length - self.tail  # where a request's states may go
         self.spans = span_sizes(self.shape.length)
+        self.rows = row_sizes(slots)
         self.types = layer_types(model)
         self.window = sliding_window(model)
-        #: why a part fell back: {"static": ...} (the member stays eager), {"graphs": ...}, {"bucket 8": ...}
+        #: why a part fell back: {"static": ...} (the member stays eager), {"graphs": ...}, {"bucket RxKxS": ...}
         self.reasons: dict[str, str] = {}
-        self.counts = {"static": 0, "replays": 0, "captures": 0, "fallbacks": 0}
-        self._slots: list[Slot] = []
+        self.counts = {"static": 0, "batched": 0, "replays": 0, "captures": 0, "fallbacks": 0}
+        self.pool: Pool | None = None
         self._lock = threading.RLock()
-        self._pool: Any = None
-        reason = unsupported_reason(model, mode)
+        self._graph_pool: Any = None
+        reason = unsupported_reason(model)
         if reason:
             self.reasons["static"] = reason
         if mode == "graphs" and self.shape.device.type != "cuda":
@@ -240,33 +292,33 @@ class StaticPasses:
 
     # ---------------------------------------------------------------- slots
     def new_cache(self, prompt_len: int = 0) -> StaticCache | None:
-        """A cache on a free slot (None: static passes are off, every slot is lent, or the prompt fills half a slot)."""
-        if not self.usable or prompt_len * 2 > self.shape.length:
+        """A cache on the lowest free slot (None: static passes are off, every slot is lent, or the
+        prompt fills half a slot)."""
+        if not self.usable or prompt_len * 2 > self.room:
             return None
         with self._lock:
-            slot = next((s for s in self._slots if not s.busy), None)
+            pool = self.pool = self.pool or self._new_pool()
+            slot = next((s for s in pool.slots if not s.busy), None)
             if slot is None:
-                if len(self._slots) >= self.max_slots:
-                    return None
-                slot = self._new_slot()
-                self._slots.append(slot)
+                return None
             slot.busy = True
         cache = StaticCache()
         cache.layers = []
         for k, v in zip(slot.keys, slot.values):
             layer = SlotLayer()
-            layer.bind(k, v)
+            layer.bind(k[:, :, :self.room], v[:, :, :self.room])  # an eager append past the room leaves the slot
             cache.layers.append(layer)
         cache.runner, cache.slot = self, slot
         weakref.finalize(cache, _release, slot)
         return cache
 
-    def _new_slot(self) -> Slot:
+    def _new_pool(self) -> Pool:
         s = self.shape
-        size = (1, s.heads, s.length, s.head_dim)
+        size = (self.max_slots, s.heads, s.length, s.head_dim)
         keys = [torch.zeros(size, dtype=s.dtype, device=s.device) for _ in range(s.layers)]
         values = [torch.zeros(size, dtype=s.dtype, device=s.device) for _ in range(s.layers)]
-        return Slot(keys, values)
+        slots = [Slot(i, [k[i:i + 1] for k in keys], [v[i:i + 1] for v in values]) for i in range(self.max_slots)]
+        return Pool(keys, values, slots)
 
     # ---------------------------------------------------------------- passes
     @torch.inference_mode()
@@ -274,22 +326,62 @@ class StaticPasses:
         """``job``'s logits rows (float ``[len(keep), V]``), its new states written into the slot."""
         with self._lock:
             context, n = int(cache.get_seq_length()), len(job.ids)
-            if not cache.in_slot() or context + n > self.shape.length:
+            if not cache.in_slot() or context + n > self.room:
                 self.counts["fallbacks"] += 1
                 return eager()
             k = bucket_for(n, self.buckets)
-            replayed = False
-            if k is None or context + k > self.shape.length:
+            if k is None or context + k > self.room:
                 rows = self._exact(cache.slot, job, context)
+                replayed = False
             else:
-                rows, replayed = self._bucketed(cache.slot, job, context, k)
+                slot = cache.slot
+                span = self.span_for(context + k)
+                bucket = slot.buckets.get((k, span)) or slot.buckets.setdefault((k, span), self._bucket(1, k, span, False))
+                self._fill(bucket, [(0, job, context)])
+                out, replayed = self._replay(bucket, slot.keys, slot.values)
+                rows = out[0].index_select(0, torch.tensor(job.keep, dtype=torch.long, device=out.device)).float()
+            self._commit([cache], [context], [n], replayed)
+            return rows
+
+    @torch.inference_mode()
+    def run_batch(self, jobs: Sequence[Job]) -> list[torch.Tensor] | None:
+        """Several requests' jobs in one pass over the first rows of the pool; None when they cannot
+        (a row not on one of this member's slots, a job longer than a bucket, a slot too full)."""
+        caches = [job.cache for job in jobs]
+        if not all(isinstance(c, StaticCache) and c.runner is self for c in caches) \
+                or len({id(c) for c in caches}) < len(caches):
+            return None
+        with self._lock:
+            pool = self.pool
+            contexts = [int(c.get_seq_length()) for c in caches]
+            k = bucket_for(max(len(job.ids) for job in jobs), self.buckets)
+            if pool is None or k is None or not all(c.in_slot() for c in caches) \
+                    or any(context + k > self.room for context in contexts):
+                return None
+            r = bucket_for(max(c.slot.index for c in caches) + 1, self.rows)
+            assert r is not None  # a slot index is below the pool's rows
+            span = self.span_for(max(contexts) + k)
+            bucket = pool.buckets.get((r, k, span)) or pool.buckets.setdefault((r, k, span),
+                                                                                 self._bucket(r, k, span, True))
+            placed = [(c.slot.index, job, context) for c, job, context in zip(caches, jobs, contexts)]
+            self._fill(bucket, placed)
+            out, replayed = self._replay(bucket, pool.keys, pool.values)
+            results = [out[row].index_select(0, torch.tensor(job.keep, dtype=torch.long, device=out.device)).float()
+                       for row, job, _ in placed]
+            self._commit(caches, contexts, [len(job.ids) for job in jobs], replayed)
+            self.counts["batched"] += 1
+            return results
+
+    def _commit(self, caches: Sequence[StaticCache], contexts: Sequence[int], fed: Sequence[int],
+                replayed: bool) -> None:
+        """The states' layers now end after what the pass fed them; count the pass."""
+        for cache, context, n in zip(caches, contexts, fed):
             for layer in cache.layers:
                 layer.keys, layer.values = layer._k[:, :, :context + n], layer._v[:, :, :context + n]
-            self.counts["static"] += 1
             if cache.stats is not None:
                 cache.stats.static_passes += 1
                 cache.stats.graph_replays += int(replayed)
-            return rows
+        self.counts["static"] += 1
 
     def span_for(self, end: int) -> int:
         """How much of the slot a pass that writes up to ``end`` attends over: the smallest span that holds it.
@@ -301,76 +393,76 @@ class StaticPasses:
         """
         return next(s for s in self.spans if s >= end)
 
-    def _allowed(self, job: Job, context: int, width: int, span: int, kind: str) -> torch.Tensor:
-        """``[width, span]`` visibility of ``job``'s queries: the context before them (their window on
-        sliding layers), the job's own block after it; padding queries see themselves."""
-        allowed = torch.zeros(width, span, dtype=torch.bool, device=self.shape.device)
-        window = self.window if kind == "sliding_attention" else None
-        allow_row(allowed, job, 0, 0, context, context, window)
-        return allowed
+    def _bucket(self, r: int, k: int, span: int, batched: bool) -> Bucket:
+        s = self.shape
+        masks = {kind: torch.zeros(r, 1, k, span, dtype=s.dtype, device=s.device) for kind in dict.fromkeys(self.types)}
+        rows = torch.arange(r, device=s.device)[:, None].expand(r, k).contiguous() if batched else None
+        return Bucket(span, torch.zeros(r, k, dtype=torch.long, device=s.device),
+                      torch.zeros(r, k, dtype=torch.long, device=s.device),
+                      torch.zeros(r, k, dtype=torch.long, device=s.device), rows, masks)
 
-    def _fill(self, bucket: Bucket, job: Job, context: int) -> None:
-        """Write ``job`` into the bucket's buffers (ids and positions padded past the job's tokens)."""
-        n, k, span = len(job.ids), bucket.ids.shape[1], bucket.span
+    def _fill(self, bucket: Bucket, placed: Sequence[Placed]) -> None:
+        """Write the placed jobs into the bucket's buffers: ids and positions padded past each job's tokens, its
+        write positions after its context; rows without a job (padding) write into the slots' scratch tail and
+        see one column (their outputs are never read)."""
+        r, k = bucket.ids.shape
         device = self.shape.device
-        ids = torch.zeros(k, dtype=torch.long)
-        ids[:n] = torch.tensor(job.ids, dtype=torch.long)
-        bucket.ids[0].copy_(ids.to(device, non_blocking=True))
-        pos = job.positions.to(device)
-        bucket.positions[0, :n] = pos
-        if k > n:
-            bucket.positions[0, n:] = pos[-1] + 1 + torch.arange(k - n, device=device)
-        bucket.write.copy_(context + torch.arange(k, device=device))
+        ids = torch.zeros(r, k, dtype=torch.long)
+        write = self.room + torch.arange(k).repeat(r, 1)
+        for row, job, context in placed:
+            ids[row, :len(job.ids)] = torch.tensor(job.ids, dtype=torch.long)
+            write[row] = context + torch.arange(k)
+        bucket.ids.copy_(ids.to(device, non_blocking=True))
+        bucket.write.copy_(write.to(device, non_blocking=True))
+        positions = torch.arange(k, device=device).repeat(r, 1)
+        for row, job, _ in placed:
+            n, pos = len(job.ids), job.positions.to(device)
+            positions[row, :n] = pos
+            positions[row, n:] = pos[-1] + 1 + torch.arange(k - n, device=device)
+        bucket.positions.copy_(positions)
         for kind, mask in bucket.masks.items():
-            mask.copy_(additive_mask(self._allowed(job, context, k, span, kind)[None], self.shape.dtype))
+            allowed = torch.zeros(r, k, bucket.span, dtype=torch.bool, device=device)
+            allowed[:, :, 0] = True  # padding rows: one column, no empty softmax
+            window = self.window if kind == "sliding_attention" else None
+            for row, job, context in placed:
+                allowed[row, :, 0] = False
+                allow_row(allowed[row], job, 0, 0, context, context, window)
+            mask.copy_(additive_mask(allowed, self.shape.dtype))
 
-    def _bucket(self, slot: Slot, k: int, span: int) -> Bucket:
-        bucket = slot.buckets.get((k, span))
-        if bucket is None:
-            s = self.shape
-            masks = {kind: torch.zeros(1, 1, k, span, dtype=s.dtype, device=s.device)
-                     for kind in dict.fromkeys(self.types)}
-            bucket = slot.buckets[k, span] = Bucket(span, torch.zeros(1, k, dtype=torch.long, device=s.device),
-                                                    torch.zeros(1, k, dtype=torch.long, device=s.device),
-                                                    torch.zeros(k, dtype=torch.long, device=s.device), masks)
-        return bucket
-
-    def _forward(self, slot: Slot, span: int, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
-                 masks: dict[str, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The model's body over the slot's first ``span`` states and its head on ``rows`` of the pass
-        (None: all): ``[rows, V]`` logits."""
-        cache = WriteCache([k[:, :, :span] for k in slot.keys], [v[:, :, :span] for v in slot.values], write)
+    def _forward(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], span: int, ids: torch.Tensor,
+                 positions: torch.Tensor, write: torch.Tensor, masks: dict[str, torch.Tensor],
+                 rows: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's body over ``span`` states of the slot (``rows`` None) or of the pool's first rows, then its
+        head: ``[R, k, V]`` logits, or, with ``keep``, ``[len(keep), V]`` of the one row's positions ``keep``."""
+        cache = WriteCache(keys, values, write, span, rows)
         mask: Any = next(iter(masks.values())) if len(masks) == 1 else dict(masks)  # as verify-in-line hands them
         hidden = self.model.model(input_ids=ids, cache=cache, use_cache=True, attention_mask=mask,
-                                  position_ids=positions).last_hidden_state[0]
-        logits = self.model.lm_head(hidden if rows is None else hidden[rows])
+                                  position_ids=positions).last_hidden_state
+        logits = self.model.lm_head(hidden if keep is None else hidden[0, keep])
         cap = getattr(text_config(self.model), "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def _bucketed(self, slot: Slot, job: Job, context: int, k: int) -> tuple[torch.Tensor, bool]:
-        bucket = self._bucket(slot, k, self.span_for(context + k))
-        self._fill(bucket, job, context)
-
+    def _replay(self, bucket: Bucket, keys: Sequence[torch.Tensor],
+                values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """The bucket's pass (inputs filled): its graph replayed, captured first if it can be, or run as a call."""
         def run() -> torch.Tensor:
-            return self._forward(slot, bucket.span, bucket.ids, bucket.positions, bucket.write, bucket.masks)
+            return self._forward(keys, values, bucket.span, bucket.ids, bucket.positions, bucket.write, bucket.masks,
+                                 bucket.rows)
 
         if bucket.graph is None and bucket.failed is None and self.capturing:
             self._capture(bucket, run)
-        if bucket.graph is not None:
-            bucket.graph.replay()
-            self.counts["replays"] += 1
-            out = bucket.out
-        else:
-            out = run()
-        assert out is not None
-        index = torch.tensor(job.keep, dtype=torch.long, device=out.device)
-        return out.index_select(0, index).float(), bucket.graph is not None
+        if bucket.graph is None:
+            return run(), False
+        bucket.graph.replay()
+        self.counts["replays"] += 1
+        assert bucket.out is not None
+        return bucket.out, True
 
     def _capture(self, bucket: Bucket, run: Callable[[], torch.Tensor]) -> None:
         """Record ``run`` (the bucket's pass, inputs already filled) as a CUDA graph; on failure say why and stay eager.
 
         The warm-up runs and the capture see the pass's real inputs, so what they write into
-        the slot is what the replay that follows writes again. Every graph of the member
+        the slots is what the replay that follows writes again. Every graph of the member
         shares one memory pool (they never run at the same time: the lock).
         """
         try:
@@ -381,27 +473,30 @@ class StaticPasses:
                 for _ in range(WARMUP_RUNS):
                     run()
             torch.cuda.current_stream(device).wait_stream(stream)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._graph_pool):
                 out = run()
             bucket.graph, bucket.out = graph, out
             self.counts["captures"] += 1
         except Exception as exc:  # a capture that fails costs this bucket its graph, never the request
             bucket.failed = f"{type(exc).__name__}: {exc}"
-            self.reasons[f"bucket {bucket.ids.shape[1]}x{bucket.span}"] = bucket.failed
+            self.reasons[f"bucket {bucket.key}"] = bucket.failed
 
     def _exact(self, slot: Slot, job: Job, context: int) -> torch.Tensor:
         """A pass at its own length (longer than every bucket: a prefill): static writes, no padding, no graph."""
         device, n = self.shape.device, len(job.ids)
         ids = torch.tensor([job.ids], dtype=torch.long, device=device)
         positions = job.positions.to(device)[None]
-        write = context + torch.arange(n, device=device)
-        masks = {kind: additive_mask(self._allowed(job, context, n, context + n, kind)[None], self.shape.dtype)
-                 for kind in dict.fromkeys(self.types)}
-        rows = torch.tensor(job.keep, dtype=torch.long, device=device)
-        return self._forward(slot, context + n, ids, positions, write, masks, rows).float()
+        write = context + torch.arange(n, device=device)[None]
+        masks = {}
+        for kind in dict.fromkeys(self.types):
+            allowed = torch.zeros(n, context + n, dtype=torch.bool, device=device)
+            allow_row(allowed, job, 0, 0, context, context, self.window if kind == "sliding_attention" else None)
+            masks[kind] = additive_mask(allowed[None], self.shape.dtype)
+        keep = torch.tensor(job.keep, dtype=torch.long, device=device)
+        return self._forward(slot.keys, slot.values, context + n, ids, positions, write, masks, keep=keep).float()
 
 
 def _release(slot: Slot) -> None:
@@ -412,7 +507,8 @@ def route(job: Job) -> Job:
     """``job`` with its direct call running static when its cache is on a slot; the eager call stays the fallback.
 
     Every pass of a :class:`~ensemble_core.decoding.members.DecodeState` is built as a
-    :class:`~ensemble_core.decoding.forward.Job` and goes through here, alone or batched.
+    :class:`~ensemble_core.decoding.forward.Job` and goes through here, alone or batched
+    (a batched group of static rows: :meth:`StaticPasses.run_batch`).
     """
     cache = job.cache
     if isinstance(cache, StaticCache):
