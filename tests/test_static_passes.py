@@ -45,7 +45,7 @@ def test_static_passes_give_eager_logits_and_greedy_tokens(alias: str) -> None:
     assert b.stats.static_passes == b.stats.forward_passes > 24  # every pass ran on the slot, none fell back
     assert static.static is not None and static.static.counts["fallbacks"] == 0
     assert b.stats.reprefills == 0  # sliding layers keep every state: crops past the window stay exact
-    assert len(b.cache.slot.buckets) >= 4  # decode steps, feeds and packed candidates used several buckets
+    assert static.static.pool is not None and len(static.static.pool.buckets) >= 4  # steps, feeds, candidates
 
 
 @pytest.mark.parametrize("method", ["single", "safe", "every-token", "specem", "generate-then-select"])
@@ -76,19 +76,18 @@ def test_a_static_pass_reads_nothing_back_to_the_host() -> None:
         state.score(random_ids(n, n))
     runner = member.static
     assert runner is not None and isinstance(state.cache, StaticCache)
-    slot = state.cache.slot
-    assert sorted(slot.buckets) == [(1, 256), (4, 256), (8, 256), (16, 256)]  # the prefill (12 tokens): bucket 16
     other = member.start_from_ids(random_ids(9, 6))
     other.score()
     jobs = feed_jobs([state, other], [random_ids(2, 1), random_ids(3, 2)])
     assert runner.run_batch(jobs) is not None and runner.pool is not None
-    buckets = [(slot.keys, slot.values, b) for b in slot.buckets.values()]
-    buckets += [(runner.pool.keys, runner.pool.values, b) for b in runner.pool.buckets.values()]
-    assert len(buckets) == 5
-    for keys, values, bucket in buckets:
+    # (rows, tokens, span): one request's passes on slot 0 (its prefill of 12 tokens in bucket 16), the other's
+    # prefill on slot 1 (two rows), then both together
+    assert sorted(runner.pool.buckets) == [(1, 1, 256), (1, 4, 256), (1, 8, 256), (1, 16, 256), (2, 4, 256),
+                                           (2, 16, 256)]
+    for bucket in runner.pool.buckets.values():
         with HostReads() as reads:
-            runner._forward(keys, values, bucket.span, bucket.ids, bucket.positions, bucket.write, bucket.masks,
-                            bucket.rows)
+            runner._forward(runner.pool.keys, runner.pool.values, bucket.span, bucket.ids, bucket.positions,
+                            bucket.write, bucket.masks, bucket.rows)
         assert reads.total == 0, (bucket.key, reads.counts)
 
 
@@ -100,7 +99,8 @@ def test_passes_read_the_shortest_span_of_the_slot_that_holds_them() -> None:
     agreement = lockstep(a, b, 8)  # crosses 256 states: spans 256 then 512
     assert agreement.max_diff < 1e-4 and agreement.same_tokens == agreement.steps
     assert isinstance(b.cache, StaticCache)
-    assert {span for _, span in b.cache.slot.buckets} == {256, 512}
+    assert static.static is not None and static.static.pool is not None
+    assert {span for _, _, span in static.static.pool.buckets} == {256, 512}
     assert b.stats.static_passes == b.stats.forward_passes
 
 
@@ -128,7 +128,7 @@ def test_a_batched_pass_over_the_pool_gives_each_row_its_own_logits() -> None:
         for state, rows, want in zip(b[:2], got, expected):
             state._last_row = rows[-1]
             assert float((rows - want).abs().max()) < 1e-4
-    assert sorted(runner.pool.buckets) and all(r == 4 for r, _, _ in runner.pool.buckets)
+    assert runner.pool is not None and {r for r, _, _ in runner.pool.buckets} == {1, 2, 4}  # prefills on 0-3; 0 and 2
     agreement = lockstep(a[2], b[2], 3)  # the state on slot 3 sat the passes out as a padding row
     assert agreement.max_diff < 1e-4 and agreement.same_tokens == 3
 

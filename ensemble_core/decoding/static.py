@@ -19,12 +19,13 @@ and shapes, so everything a pass touches is fixed here:
   additive mask that shows each query the states before it. Sliding-window layers (Gemma-3)
   keep every state too; their window is in their mask, so a rollback is exact on them as on
   full layers (no re-prefill).
-* **a batched pass** (the scheduler's group of several requests' jobs) runs over the first R
-  rows of the pool (R = 1, 2, 4, 8, 16: the smallest that holds every participating slot), rows
-  not in the group padding: the pool is the batch, nothing is gathered or scattered, and each
-  row writes its new states at its own positions (``index_put_``).
-* ids, positions, write positions, the masks and the logits are buffers of the bucket (per
-  slot for one request's passes, per member for batched ones).
+* **every pass of up to 32 tokens runs over the first R rows of the pool** (R = 1, 2, 4, 8, 16:
+  the smallest that holds the slots in it): one request's pass (R = 1 on slot 0, where a lone
+  request decodes) and the scheduler's group of several requests' jobs alike. Rows not in the
+  pass are padding; the pool is the batch, nothing is gathered or scattered, and each row
+  writes its new states at its own positions (``index_put_``). So a member captures one graph
+  per (rows, tokens, span) it used, whichever slots ran them.
+* ids, positions, write positions, the masks and the logits are buffers of that bucket.
 
 Modes (``Member(passes=...)``, ``MemberSpec.passes``): ``"eager"`` (the default: dynamic caches,
 :mod:`~ensemble_core.decoding.forward`), ``"static"`` (these passes as ordinary calls: what a CPU
@@ -126,7 +127,7 @@ class Bucket:
     ids: torch.Tensor  # [R, k]
     positions: torch.Tensor  # [R, k]
     write: torch.Tensor  # [R, k]: the slot positions the new states go to
-    rows: torch.Tensor | None  # [R, k] pool rows of a batched pass (None: one slot's pass)
+    rows: torch.Tensor  # [R, k]: the pool row of every new state
     masks: dict[str, torch.Tensor]  # per layer type, [R, 1, k, span] additive
     graph: Any = None
     out: torch.Tensor | None = None  # [R, k, V] logits the graph writes
@@ -139,12 +140,11 @@ class Bucket:
 
 @dataclass(eq=False)
 class Slot:
-    """Row ``index`` of the pool: per layer a ``[1, H, L, D]`` keys and values view, and its one-request buckets."""
+    """Row ``index`` of the pool: per layer a ``[1, H, L, D]`` keys and values view."""
 
     index: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    buckets: dict[tuple[int, int], Bucket] = field(default_factory=dict)  # by (tokens, span)
     busy: bool = False
 
 
@@ -155,7 +155,7 @@ class Pool:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     slots: list[Slot]
-    buckets: dict[tuple[int, int, int], Bucket] = field(default_factory=dict)  # batched: by (rows, tokens, span)
+    buckets: dict[tuple[int, int, int], Bucket] = field(default_factory=dict)  # by (rows, tokens, span)
 
 
 class StaticCache(DynamicCache):
@@ -172,9 +172,9 @@ class StaticCache(DynamicCache):
 class WriteCache:
     """The cache a static pass hands the model: new states go to the write positions, attention reads ``span`` states.
 
-    ``keys`` / ``values`` are one slot's views (``rows`` None: every new state of the one row goes
-    to ``write[0]`` along the sequence) or the pool's buffers (``rows[r, j]``, ``write[r, j]``: where
-    row ``r``'s ``j``-th new state goes).
+    ``keys`` / ``values`` are the pool's buffers (``rows[r, j]``, ``write[r, j]``: where row ``r``'s
+    ``j``-th new state goes), or one slot's views (``rows`` None: a prefill, every new state of
+    the one row to ``write[0]`` along the sequence).
     """
 
     def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], write: torch.Tensor,
@@ -332,16 +332,9 @@ class StaticPasses:
             k = bucket_for(n, self.buckets)
             if k is None or context + k > self.room:
                 rows = self._exact(cache.slot, job, context)
-                replayed = False
-            else:
-                slot = cache.slot
-                span = self.span_for(context + k)
-                bucket = slot.buckets.get((k, span)) or slot.buckets.setdefault((k, span), self._bucket(1, k, span, False))
-                self._fill(bucket, [(0, job, context)])
-                out, replayed = self._replay(bucket, slot.keys, slot.values)
-                rows = out[0].index_select(0, torch.tensor(job.keep, dtype=torch.long, device=out.device)).float()
-            self._commit([cache], [context], [n], replayed)
-            return rows
+                self._commit([cache], [context], [n], False)
+                return rows
+            return self._pool_pass([cache], [job], [context], k)[0]
 
     @torch.inference_mode()
     def run_batch(self, jobs: Sequence[Job]) -> list[torch.Tensor] | None:
@@ -352,25 +345,33 @@ class StaticPasses:
                 or len({id(c) for c in caches}) < len(caches):
             return None
         with self._lock:
-            pool = self.pool
             contexts = [int(c.get_seq_length()) for c in caches]
             k = bucket_for(max(len(job.ids) for job in jobs), self.buckets)
-            if pool is None or k is None or not all(c.in_slot() for c in caches) \
-                    or any(context + k > self.room for context in contexts):
+            if k is None or not all(c.in_slot() for c in caches) or any(context + k > self.room for context in contexts):
                 return None
-            r = bucket_for(max(c.slot.index for c in caches) + 1, self.rows)
-            assert r is not None  # a slot index is below the pool's rows
-            span = self.span_for(max(contexts) + k)
-            bucket = pool.buckets.get((r, k, span)) or pool.buckets.setdefault((r, k, span),
-                                                                                 self._bucket(r, k, span, True))
-            placed = [(c.slot.index, job, context) for c, job, context in zip(caches, jobs, contexts)]
-            self._fill(bucket, placed)
-            out, replayed = self._replay(bucket, pool.keys, pool.values)
-            results = [out[row].index_select(0, torch.tensor(job.keep, dtype=torch.long, device=out.device)).float()
-                       for row, job, _ in placed]
-            self._commit(caches, contexts, [len(job.ids) for job in jobs], replayed)
             self.counts["batched"] += 1
-            return results
+            return self._pool_pass(caches, jobs, contexts, k)
+
+    def _pool_pass(self, caches: Sequence[StaticCache], jobs: Sequence[Job], contexts: Sequence[int],
+                   k: int) -> list[torch.Tensor]:
+        """The jobs (``k`` tokens or fewer each) in one pass over the pool's first rows: each job's logits rows.
+
+        One request's pass is this pass with one row: its graphs are the member's, shared by
+        every slot (a lone request decodes on slot 0, a pass of one row), instead of a set per slot.
+        """
+        pool = self.pool
+        assert pool is not None
+        r = bucket_for(max(c.slot.index for c in caches) + 1, self.rows)
+        assert r is not None  # a slot index is below the pool's rows
+        span = self.span_for(max(contexts) + k)
+        bucket = pool.buckets.get((r, k, span)) or pool.buckets.setdefault((r, k, span), self._bucket(r, k, span))
+        placed = [(c.slot.index, job, context) for c, job, context in zip(caches, jobs, contexts)]
+        self._fill(bucket, placed)
+        out, replayed = self._replay(bucket, pool.keys, pool.values)
+        results = [out[row].index_select(0, torch.tensor(job.keep, dtype=torch.long, device=out.device)).float()
+                   for row, job, _ in placed]
+        self._commit(caches, contexts, [len(job.ids) for job in jobs], replayed)
+        return results
 
     def _commit(self, caches: Sequence[StaticCache], contexts: Sequence[int], fed: Sequence[int],
                 replayed: bool) -> None:
@@ -393,10 +394,10 @@ class StaticPasses:
         """
         return next(s for s in self.spans if s >= end)
 
-    def _bucket(self, r: int, k: int, span: int, batched: bool) -> Bucket:
+    def _bucket(self, r: int, k: int, span: int) -> Bucket:
         s = self.shape
         masks = {kind: torch.zeros(r, 1, k, span, dtype=s.dtype, device=s.device) for kind in dict.fromkeys(self.types)}
-        rows = torch.arange(r, device=s.device)[:, None].expand(r, k).contiguous() if batched else None
+        rows = torch.arange(r, device=s.device)[:, None].expand(r, k).contiguous()
         return Bucket(span, torch.zeros(r, k, dtype=torch.long, device=s.device),
                       torch.zeros(r, k, dtype=torch.long, device=s.device),
                       torch.zeros(r, k, dtype=torch.long, device=s.device), rows, masks)
