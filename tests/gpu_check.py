@@ -187,6 +187,7 @@ def main() -> int:
     parser.add_argument("--save", type=Path, help="also save drafter-135m and gemma-1b here (for `ensemble bench`)")
     parser.add_argument("--passes", nargs="*", default=[], choices=["static", "graphs"],
                         help="also measure batching with members whose passes run so (batching_<passes>)")
+    parser.add_argument("--only", nargs="*", help="steps to run (default: all), e.g. batching batching_graphs")
     args = parser.parse_args()
     device = "cpu" if args.dry else "cuda"
     dtype = torch.float32 if args.dry else torch.bfloat16
@@ -197,7 +198,8 @@ def main() -> int:
         (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
 
     def step(key: str, fn) -> None:
-        run_step(report, key, fn, args.out / "gpu_check.json")
+        if not args.only or key in args.only:
+            run_step(report, key, fn, args.out / "gpu_check.json")
 
     members = {name: build(name, args.tokenizers, device, dtype, args.dry) for name in SHAPES}
     step("single", lambda: {n: single_speed(m, args.tokens) for n, m in members.items()})

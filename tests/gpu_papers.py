@@ -154,15 +154,21 @@ def passes_check(member: Member, passes: str, steps: int) -> dict[str, Any]:
     return out
 
 
-def member_speeds(member: Member, tokens: int, gbps: float, passes: tuple[str, ...] = ()) -> dict[str, Any]:
+#: The member paths ``--paths`` chooses from (``static_generate`` compiles: minutes on a first run).
+PATHS = ("eager", "static_generate", "core_single")
+
+
+def member_speeds(member: Member, tokens: int, gbps: float, passes: tuple[str, ...] = (),
+                  paths: tuple[str, ...] = PATHS) -> dict[str, Any]:
     ids = member.tokenizer(QUESTION, return_tensors="pt").input_ids.to(member.device)
     out: dict[str, Any] = {"weights_gb": weight_bytes(member) / 1e9, "note": RANDOM}
     out["floor_ms"] = 1000 * weight_bytes(member) / (gbps / 2 * 1e9)  # a pass reads the weights once
-    paths: list[tuple[str, Callable[[], Callable[[int], None]]]] = [
-        ("eager_ms", lambda: eager_loop(member, ids)), ("static_generate_ms", lambda: static_generate(member, ids)),
-        ("core_single_ms", lambda: core_single(member))]
-    paths += [(f"core_single_{mode}_ms", lambda mode=mode: core_single(twin(member, mode))) for mode in passes]
-    for key, make in paths:
+    makers: dict[str, Callable[[], Callable[[int], None]]] = {
+        "eager": lambda: eager_loop(member, ids), "static_generate": lambda: static_generate(member, ids),
+        "core_single": lambda: core_single(member)}
+    chosen = [(f"{path}_ms", makers[path]) for path in paths]
+    chosen += [(f"core_single_{mode}_ms", lambda mode=mode: core_single(twin(member, mode))) for mode in passes]
+    for key, make in chosen:
         try:
             out[key] = slope_ms(make(), tokens)
         except Exception as exc:  # noqa: BLE001 - one failed path does not hide the others
@@ -202,6 +208,8 @@ def main() -> int:
     parser.add_argument("--passes", nargs="*", default=[], choices=["static", "graphs"],
                         help="also measure members and methods with these passes (ensemble_core.decoding.static)")
     parser.add_argument("--check-steps", type=int, default=24, help="lockstep steps of the passes check")
+    parser.add_argument("--paths", nargs="*", default=list(PATHS), choices=PATHS,
+                        help="member paths to time (static_generate compiles: minutes on a first run)")
     args = parser.parse_args()
     passes = tuple(args.passes)
     device = "cpu" if args.dry else "cuda"
@@ -218,7 +226,8 @@ def main() -> int:
     for mode in passes:  # first: whether the passes are right at all, before their speed counts
         step(f"passes_{mode}", lambda mode=mode: {name: passes_check(m, mode, args.check_steps)
                                                   for name, m in members.items()})
-    step("members", lambda: {name: member_speeds(m, args.tokens, gbps, passes) for name, m in members.items()})
+    step("members", lambda: {name: member_speeds(m, args.tokens, gbps, passes, tuple(args.paths))
+                             for name, m in members.items()})
     graphed = {name: twin(m, "graphs") for name, m in members.items()} if "graphs" in passes else {}
     for label, method, names, options in METHODS:
         if args.only and label not in args.only:

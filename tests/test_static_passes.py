@@ -66,6 +66,22 @@ def test_every_method_writes_eager_texts_with_static_members(method: str) -> Non
     assert any(m.static is not None and m.static.counts["batched"] > 0 for m in static)  # groups ran over the pool
 
 
+def test_requests_beyond_the_pool_decode_eager_next_to_it_with_the_same_texts() -> None:
+    """Five concurrent requests, two slots: the scheduler runs the pool's rows and the eager rows as two groups."""
+    eager = tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
+    static = static_twin(eager)
+    static.static = StaticPasses(static.model, "static", max_cache_len=256, slots=2)
+    prompts = ["What is 2 + 2?", "Name three colours.", "Hi", "Count: one, two,", "Why is the sky blue?"]
+    expected = Ensemble([eager], method="single", batching=False, max_new_tokens=10).batch(prompts)
+    together = Ensemble([static], method="single", max_new_tokens=10)
+    got = together.batch(prompts)
+    assert [r.text for r in got] == [r.text for r in expected]
+    assert static.static.counts["batched"] > 0
+    stats = together.method.batcher.stats
+    assert stats.batched_calls > static.static.counts["batched"]  # the eager rows were batched too
+    assert sum(m["static_passes"] > 0 for r in got for m in r.stats["members"]) == 2
+
+
 def test_a_static_pass_reads_nothing_back_to_the_host() -> None:
     """What a CUDA graph records must not read tensor values on the host (a capture would fail or freeze
     the value) nor size itself by the cache (``WriteCache.get_seq_length`` raises)."""

@@ -414,9 +414,15 @@ class Batcher:
                 self._run_group(member, [jobs[i] for i in group])
 
     def _run_group(self, member: Any, jobs: list[Job]) -> None:
+        static = getattr(member, "static", None)
+        if static is not None and len(jobs) > 1:  # rows on the member's static slots apart from the others
+            on_pool = [job for job in jobs if static.owns(job)]
+            if 0 < len(on_pool) < len(jobs):
+                self._run_group(member, on_pool)
+                self._run_group(member, [job for job in jobs if not static.owns(job)])
+                return
         t0 = time.perf_counter()
         results: list[torch.Tensor] | None = None
-        static = getattr(member, "static", None)
         if len(jobs) > 1 and static is not None:  # rows on the member's static slots: one pass over its pool
             results = static.run_batch(jobs)
         if len(jobs) > 1 and results is None:

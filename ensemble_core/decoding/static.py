@@ -69,9 +69,11 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)
 DEFAULT_MAX_CACHE_LEN = 4096
 #: The shortest span of a slot a pass attends over (spans double up to the slot's length).
 MIN_SPAN = 256
-#: Slots per member: concurrent requests on a GPU (vLLM batches that many and more); on a CPU,
-#: where every pool row costs memory and a padded row costs compute, fewer.
+#: Slots per member: up to 16 concurrent requests on a GPU (vLLM batches that many and more), as
+#: many as fit in :data:`POOL_MEMORY_SHARE` of its free memory; on a CPU, where every pool row
+#: costs memory and a padded row costs compute, 4.
 DEFAULT_SLOTS = {"cuda": 16, "other": 4}
+POOL_MEMORY_SHARE = 0.25
 #: Eager runs on a side stream before a capture (lazy initialisation inside kernels and
 #: allocator warm-up must not be recorded; torch's documented recipe).
 WARMUP_RUNS = 2
@@ -222,6 +224,14 @@ def kv_shape(model: Any, max_cache_len: int) -> KVShape:
     return KVShape(int(cfg.num_hidden_layers), heads, head_dim, max_cache_len, dtype, model.device)
 
 
+def default_slots(shape: KVShape) -> int:
+    """How many slots a member gets when it does not say (see :data:`DEFAULT_SLOTS`)."""
+    if shape.device.type != "cuda":
+        return DEFAULT_SLOTS["other"]
+    free, _ = torch.cuda.mem_get_info(shape.device)
+    return max(1, min(DEFAULT_SLOTS["cuda"], int(free * POOL_MEMORY_SHARE) // max(shape.bytes, 1)))
+
+
 def unsupported_reason(model: Any) -> str | None:
     """Why ``model`` cannot run static passes (None: it can)."""
     if type(model).__name__ not in PLAIN_HEADS or getattr(model, "model", None) is None \
@@ -261,7 +271,7 @@ class StaticPasses:
         window = int(getattr(cfg, "max_position_embeddings", 0) or DEFAULT_MAX_CACHE_LEN)
         self.shape = kv_shape(model, max_cache_len or min(window, DEFAULT_MAX_CACHE_LEN))
         if slots is None:
-            slots = DEFAULT_SLOTS["cuda" if self.shape.device.type == "cuda" else "other"]
+            slots = default_slots(self.shape)
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise InvalidOptionError("slots", slots, "an int >= 1")
         self.max_slots = slots
@@ -336,13 +346,16 @@ class StaticPasses:
                 return rows
             return self._pool_pass([cache], [job], [context], k)[0]
 
+    def owns(self, job: Job) -> bool:
+        """Whether ``job`` runs on one of this member's slots."""
+        return isinstance(job.cache, StaticCache) and job.cache.runner is self
+
     @torch.inference_mode()
     def run_batch(self, jobs: Sequence[Job]) -> list[torch.Tensor] | None:
         """Several requests' jobs in one pass over the first rows of the pool; None when they cannot
         (a row not on one of this member's slots, a job longer than a bucket, a slot too full)."""
         caches = [job.cache for job in jobs]
-        if not all(isinstance(c, StaticCache) and c.runner is self for c in caches) \
-                or len({id(c) for c in caches}) < len(caches):
+        if not all(self.owns(job) for job in jobs) or len({id(c) for c in caches}) < len(caches):
             return None
         with self._lock:
             contexts = [int(c.get_seq_length()) for c in caches]
