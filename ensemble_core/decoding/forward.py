@@ -64,7 +64,9 @@ class Job:
     ``positions`` are the true position ids of ``ids``; ``block[i, j]`` says whether new
     token ``i`` may attend to new token ``j`` (lower-triangular for ordinary decoding).
     ``direct`` runs the very same call unbatched (used for a group of one and as the
-    fallback). The result is a float ``[len(keep), V]`` tensor.
+    fallback); ``runner``, when set, runs it instead (a static slot's pass,
+    :mod:`~ensemble_core.decoding.static`), with ``direct`` as its own fallback. The result is a
+    float ``[len(keep), V]`` tensor.
     """
 
     cache: Any
@@ -73,11 +75,17 @@ class Job:
     block: torch.Tensor
     keep: list[int]
     direct: Callable[[], torch.Tensor]
+    runner: Callable[[Job], torch.Tensor] | None = None
     participant: Any = None  # the scheduler's Participant that submitted it
     queued_at: float = 0.0
     done: bool = False
     result: torch.Tensor | None = None
     error: BaseException | None = None
+
+
+def run_alone(job: Job) -> torch.Tensor:
+    """``job``'s own unbatched call (its ``runner``, else ``direct``)."""
+    return job.runner(job) if job.runner is not None else job.direct()
 
 
 def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Callable[[], torch.Tensor],

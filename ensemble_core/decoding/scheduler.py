@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ensemble_core.decoding.forward import Job, batched_forward, plan_groups
+from ensemble_core.decoding.forward import Job, batched_forward, plan_groups, run_alone
 from ensemble_core.decoding.slab import Slab
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.options import check_bool, check_int, check_number
@@ -194,7 +194,7 @@ def member_threads(count: int) -> Any:
 def run_job(binding: Binding | None, member: Any, job: Job) -> torch.Tensor:
     """Run ``job`` now (no binding) or through the request's batcher."""
     if binding is None:
-        return job.direct()
+        return run_alone(job)
     return binding.run(member, job)
 
 
@@ -345,7 +345,7 @@ class Batcher:
         """
         t0 = time.perf_counter()
         with torch.inference_mode():
-            result = job.direct()
+            result = run_alone(job)
         self._record(member, jobs=1, lengths=[len(job.ids)], padded=len(job.ids), batched=False,
                      seconds=time.perf_counter() - t0)
         return result
@@ -443,7 +443,7 @@ class Batcher:
             return
         for job in jobs:
             try:
-                job.result = job.direct()
+                job.result = run_alone(job)
             except Exception as exc:  # handed to the request's own thread
                 job.error = exc
         self._record(member, jobs=len(jobs), lengths=lengths, padded=sum(lengths), batched=False,

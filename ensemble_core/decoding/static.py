@@ -332,13 +332,16 @@ class StaticPasses:
 
     # ---------------------------------------------------------------- passes
     @torch.inference_mode()
-    def run(self, cache: StaticCache, job: Job, eager: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``job``'s logits rows (float ``[len(keep), V]``), its new states written into the slot."""
+    def run(self, job: Job) -> torch.Tensor:
+        """``job``'s logits rows (float ``[len(keep), V]``), its new states written into its slot (its eager
+        ``direct`` call when the state has left the slot or would outgrow it)."""
+        cache = job.cache
+        assert isinstance(cache, StaticCache)
         with self._lock:
             context, n = int(cache.get_seq_length()), len(job.ids)
             if not cache.in_slot() or context + n > self.room:
                 self.counts["fallbacks"] += 1
-                return eager()
+                return job.direct()
             k = bucket_for(n, self.buckets)
             if k is None or context + k > self.room:
                 rows = self._exact(cache.slot, job, context)
@@ -518,14 +521,14 @@ def _release(slot: Slot) -> None:
 
 
 def route(job: Job) -> Job:
-    """``job`` with its direct call running static when its cache is on a slot; the eager call stays the fallback.
+    """``job``, run by its slot's :class:`StaticPasses` when its cache is on one (its eager call stays the fallback).
 
     Every pass of a :class:`~ensemble_core.decoding.members.DecodeState` is built as a
     :class:`~ensemble_core.decoding.forward.Job` and goes through here, alone or batched
-    (a batched group of static rows: :meth:`StaticPasses.run_batch`).
+    (a batched group of static rows: :meth:`StaticPasses.run_batch`). The runner is a bound
+    method, not a closure over the job: a cycle would keep the state's slot lent until the
+    garbage collector ran.
     """
-    cache = job.cache
-    if isinstance(cache, StaticCache):
-        eager = job.direct
-        job.direct = lambda: cache.runner.run(cache, job, eager)
+    if isinstance(job.cache, StaticCache):
+        job.runner = job.cache.runner.run
     return job
