@@ -10,6 +10,7 @@ lent and returned; what cannot run static falls back exactly. The capture itself
 
 from __future__ import annotations
 
+import argparse
 import gc
 
 import pytest
@@ -18,6 +19,7 @@ from ensemble_core import Ensemble, InvalidOptionError
 from ensemble_core.bench.host_reads import HostReads
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.static import StaticCache, StaticPasses, bucket_for
+from ensemble_core.flags import add_load_flags, member_options
 from ensemble_core.models.loading import MemberSpec
 from ensemble_core.testing import feed_jobs, lockstep, random_ids, tiny_member
 
@@ -214,3 +216,12 @@ def test_the_bundled_pair_writes_the_same_answer_with_static_passes(real_pair: l
     assert got.text == expected.text and len(got.text) > 10
     members = got.stats["members"]
     assert all(m["static_passes"] == m["forward_passes"] > 0 for m in members), members
+
+
+def test_the_passes_flag_reaches_every_members_load_options() -> None:
+    parser = argparse.ArgumentParser()
+    add_load_flags(parser)
+    assert [o.get("passes") for o in member_options(parser.parse_args(["--passes", "graphs"]), 2)] == ["graphs"] * 2
+    assert all("passes" not in o for o in member_options(parser.parse_args([]), 2))  # eager: the spec's default
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--passes", "fast"])

@@ -21,6 +21,10 @@ import torch
 
 from ensemble_core.errors import UnsupportedModelError
 
+#: Attention implementations that add a custom 4-D float mask to the scores (FlashAttention
+#: ignores it): what verify-in-line, batched and static passes need.
+MASK_HONOURING_ATTENTION = ("sdpa", "eager")
+
 
 def text_config(model: Any) -> Any:
     """The config of a model's text part (multimodal configs nest it)."""

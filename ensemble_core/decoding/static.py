@@ -14,8 +14,8 @@ and shapes, so everything a pass touches is fixed here:
   crop-back is moving the write position. The last 32 positions of every row (the largest
   bucket) are scratch, where the padding rows of a batched pass write.
 * **a pass of n new tokens runs in the smallest bucket >= n** of :data:`BUCKETS`, padded (vLLM
-  captures batch sizes the same way): its new states are written at the write position with
-  ``index_copy_`` (positions from a buffer), and attention reads the whole slot through an
+  captures batch sizes the same way): its new states are written at positions held in a
+  buffer, and attention reads a span of the slot (:meth:`StaticPasses.span_for`) through an
   additive mask that shows each query the states before it. Sliding-window layers (Gemma-3)
   keep every state too; their window is in their mask, so a rollback is exact on them as on
   full layers (no re-prefill).
@@ -29,14 +29,14 @@ and shapes, so everything a pass touches is fixed here:
 
 Modes (``Member(passes=...)``, ``MemberSpec.passes``): ``"eager"`` (the default: dynamic caches,
 :mod:`~ensemble_core.decoding.forward`), ``"static"`` (these passes as ordinary calls: what a CPU
-runs, and what the tests compare with eager), ``"graphs"`` (static, and each bucket of each
-slot captured as a ``torch.cuda.CUDAGraph`` on its first use, then replayed; CUDA only). What
+runs, and what the tests compare with eager), ``"graphs"`` (static, and each (rows, tokens,
+span) captured as a ``torch.cuda.CUDAGraph`` on its first use, then replayed; CUDA only). What
 cannot run static falls back, with the reason in :attr:`StaticPasses.reasons`: a pass longer
 than the largest bucket (a prefill) runs at its exact shape, uncaptured; a capture that fails
 leaves that bucket uncaptured; a state whose history outgrows its slot leaves it (its layers
 grow into ordinary buffers, :class:`~ensemble_core.decoding.cache.InPlaceAppend`) and runs the
 eager passes from then on; a member whose head is not a plain ``lm_head`` or that is split over
-devices stays eager; a batched group with a row that is not on a slot runs per row.
+devices stays eager; the scheduler runs a group's rows on the pool apart from its eager rows.
 
 "graphs" stays behind this option until a run on a lent GPU shows it gives eager's greedy
 tokens and is faster (``tests/gpu_papers.py --passes graphs``): captured code nobody has
@@ -56,7 +56,14 @@ from transformers import DynamicCache
 
 from ensemble_core.decoding.cache import RoomyLayer
 from ensemble_core.decoding.forward import PLAIN_HEADS, Job
-from ensemble_core.decoding.masks import additive_mask, allow_row, layer_types, sliding_window, text_config
+from ensemble_core.decoding.masks import (
+    MASK_HONOURING_ATTENTION,
+    additive_mask,
+    allow_row,
+    layer_types,
+    sliding_window,
+    text_config,
+)
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.models.loading import check_passes
 
@@ -212,7 +219,7 @@ class KVShape:
 
     @property
     def bytes(self) -> int:
-        return 2 * self.layers * self.heads * self.length * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.layers * self.heads * self.length * self.head_dim * self.dtype.itemsize
 
 
 def kv_shape(model: Any, max_cache_len: int) -> KVShape:
@@ -241,7 +248,7 @@ def unsupported_reason(model: Any) -> str | None:
     if len(devices) > 1:
         return f"the model is split over devices ({', '.join(sorted(devices))})"
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl not in ("sdpa", "eager"):
+    if impl not in MASK_HONOURING_ATTENTION:
         return f"attention {impl!r} ignores the additive masks static passes need (use 'sdpa')"
     return None
 
@@ -406,7 +413,7 @@ class StaticPasses:
         Why spans: attention over the whole slot would read ``max_cache_len`` states per layer
         on every step (a 135M drafter's KV at 4096 tokens is a third of its weights); spans
         double from :data:`MIN_SPAN`, so a pass reads at most twice the states it needs, for
-        a graph per (bucket, span) actually used.
+        a graph per (rows, tokens, span) actually used.
         """
         return next(s for s in self.spans if s >= end)
 

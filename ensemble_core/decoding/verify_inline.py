@@ -40,15 +40,13 @@ from typing import Any
 import torch
 
 from ensemble_core.decoding.forward import Job, causal_job, single_pass
-from ensemble_core.decoding.masks import layer_types, packed_layout, packed_masks
+from ensemble_core.decoding.masks import MASK_HONOURING_ATTENTION, layer_types, packed_layout, packed_masks
 from ensemble_core.decoding.members import DecodeState, Member
 from ensemble_core.decoding.rows import delegate
 from ensemble_core.decoding.scheduler import run_job
 from ensemble_core.decoding.static import route
 from ensemble_core.errors import InputError, UnsupportedAttentionError, UnsupportedModelError
 
-#: Attention implementations that add a custom 4-D float mask to the scores.
-MASK_HONOURING_ATTENTION = ("sdpa", "eager")
 #: Layer types whose masks we know how to build (full causal, causal + sliding window).
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 #: Upper bound on the logits materialised by one packed pass (float32 bytes); longer
