@@ -14,11 +14,15 @@ import argparse
 import gc
 
 import pytest
+import torch
 
 from ensemble_core import Ensemble, InvalidOptionError
 from ensemble_core.bench.host_reads import HostReads
+from ensemble_core.decoding import static as static_module
+from ensemble_core.decoding.forward import Job
+from ensemble_core.decoding.masks import allow_row, packed_layout, slot_allowed
 from ensemble_core.decoding.members import Member
-from ensemble_core.decoding.static import StaticCache, StaticPasses, bucket_for
+from ensemble_core.decoding.static import StaticCache, StaticPasses, bucket_for, host_inputs, split_inputs
 from ensemble_core.flags import add_load_flags, member_options
 from ensemble_core.models.loading import MemberSpec
 from ensemble_core.testing import feed_jobs, lockstep, random_ids, tiny_member
@@ -104,8 +108,8 @@ def test_a_static_pass_reads_nothing_back_to_the_host() -> None:
                                            (2, 16, 256)]
     for bucket in runner.pool.buckets.values():
         with HostReads() as reads:
-            runner._forward(runner.pool.keys, runner.pool.values, bucket.span, bucket.ids, bucket.positions,
-                            bucket.write, bucket.masks, bucket.rows)
+            runner._forward(runner.pool.keys, runner.pool.values, bucket.span, bucket.inputs, bucket.rows_n,
+                            bucket.tokens, bucket.rows)
         assert reads.total == 0, (bucket.key, reads.counts)
 
 
@@ -149,6 +153,61 @@ def test_a_batched_pass_over_the_pool_gives_each_row_its_own_logits() -> None:
     assert runner.pool is not None and {r for r, _, _ in runner.pool.buckets} == {1, 2, 4}  # prefills on 0-3; 0 and 2
     agreement = lockstep(a[2], b[2], 3)  # the state on slot 3 sat the passes out as a padding row
     assert agreement.max_diff < 1e-4 and agreement.same_tokens == 3
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_slot_masks_from_the_inputs_equal_the_masks_built_row_by_row(window: int | None) -> None:
+    """The masks a static pass computes from its flat inputs (``slot_allowed``, inside the graph) equal what
+    ``allow_row`` builds per job on the host, for causal and packed jobs, padding queries and padding rows."""
+    torch.manual_seed(0)
+    k, span, room = 8, 32, 24
+    lengths = [[3], [2, 2, 1], [8], [1]]  # a draft, packed candidates, a full bucket, a decode step
+    contexts = [5, 9, 0, 16]
+    placed, expected = [], torch.zeros(6, k, span, dtype=torch.bool)
+    expected[:, :, 0] = True  # padding rows (4 and 5): column 0 only
+    for row, (parts, context) in enumerate(zip(lengths, contexts)):
+        positions, block = packed_layout(parts, context, "cpu")
+        job = Job(None, torch.randint(0, 50, (len(positions),)).tolist(), positions, block, [0], lambda: None)
+        placed.append((row, job, context))
+        expected[row] = False
+        allow_row(expected[row], job, 0, 0, context, context, window)
+        n = len(positions)  # padding queries of a real row also see the context (harmless: never read)
+        expected[row, n:, :context] = torch.arange(context)[None, :] <= positions[-1] + 1 + torch.arange(k - n)[:, None]
+        if window is not None:
+            q = positions[-1] + 1 + torch.arange(k - n)
+            expected[row, n:, :context] &= (q[:, None] - torch.arange(context)[None, :]) < window
+    _, positions, _, context, block = split_inputs(host_inputs(placed, 6, k, room), 6, k)
+    got = slot_allowed(positions, context, block != 0, span, window)
+    assert torch.equal(got, expected)
+    assert bool(got.any(-1).all())  # every query sees something: no empty softmax, no NaN into the scratch tail
+
+
+def test_a_pool_pass_copies_its_inputs_to_the_device_once_whatever_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host builds a pass's inputs and hands them over in one copy (plus one for the rows to keep), for one
+    row as for four: no per-row device ops before the pass (each is a kernel launch on a GPU)."""
+    member = static_twin(tiny_member("qwen2.5-coder-0.5b-instruct", seed=2, layers=2))
+    states = [member.start_from_ids(random_ids(6 + i, i)) for i in range(4)]
+    for state in states:
+        state.score()
+    runner = member.static
+    assert runner is not None
+    copies: list[str] = []
+    real_to_device, real_fill = static_module.to_device, static_module.fill
+
+    def to_device(values, device, dtype=None):  # type: ignore[no-untyped-def]
+        copies.append("to_device")
+        return real_to_device(values, device, dtype)
+
+    def fill(buffer, values):  # type: ignore[no-untyped-def]
+        copies.append("fill")
+        real_fill(buffer, values)
+
+    monkeypatch.setattr(static_module, "to_device", to_device)
+    monkeypatch.setattr(static_module, "fill", fill)
+    for group in (states[:1], states):
+        copies.clear()
+        assert runner.run_batch(feed_jobs(group, [random_ids(2, 9)] * len(group))) is not None
+        assert sorted(copies) == ["fill", "to_device"], (len(group), copies)
 
 
 def test_a_state_that_outgrows_its_slot_leaves_it_and_stays_exact() -> None:

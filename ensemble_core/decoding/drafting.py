@@ -27,6 +27,7 @@ import torch
 from ensemble_core.decoding.lookup import propose
 from ensemble_core.decoding.pipeline import TokenPipeline
 from ensemble_core.decoding.rows import TensorRows, delegate
+from ensemble_core.decoding.transfer import to_device
 from ensemble_core.decoding.verify_inline import Mark, branch_feed, branch_marks, cache_branch, rewind
 from ensemble_core.text.alignment import (
     DECODE_CONTEXT,
@@ -127,7 +128,7 @@ def row_scores(row: torch.Tensor, token: int, eos_ids: Sequence[int]) -> torch.T
     if not eos_ids:
         end = row.new_full((2,), -math.inf)
     else:
-        eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=row.device)
+        eos = to_device(sorted(eos_ids), row.device)
         end = torch.stack([torch.logsumexp(logprobs[eos], dim=0), row[eos].max()])
     return torch.cat([torch.stack([logprobs[token], row[token]]), end]).float()
 

@@ -40,6 +40,7 @@ import torch
 from ensemble_core.decoding.cache import RoomyLayer, RoomySlidingLayer
 from ensemble_core.decoding.masks import additive_mask, allow_row, layer_types, sliding_window, text_config
 from ensemble_core.decoding.slab import Slab
+from ensemble_core.decoding.transfer import HOST, to_device
 
 
 # ----------------------------------------------------------------------------- one request
@@ -50,7 +51,7 @@ def single_pass(model: Any, ids: Sequence[int], cache: Any, logits_to_keep: int 
     ``logits_to_keep`` is a count (the last rows) or an index tensor of positions; ``kwargs``
     carry a custom mask and position ids (verify-in-line). The cache is updated in place.
     """
-    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    input_ids = to_device([list(ids)], device)
     out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
     logits = out.logits[0]
     return (logits[-logits_to_keep:] if isinstance(logits_to_keep, int) else logits).float()
@@ -88,13 +89,12 @@ def run_alone(job: Job) -> torch.Tensor:
     return job.runner(job) if job.runner is not None else job.direct()
 
 
-def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Callable[[], torch.Tensor],
-               device: Any) -> Job:
+def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Callable[[], torch.Tensor]) -> Job:
     """A job for ids appended after everything in ``cache`` (ordinary incremental decoding)."""
     n = len(ids)
     start = int(cache.get_seq_length())
-    block = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return Job(cache, [int(i) for i in ids], start + torch.arange(n, device=device), block, list(keep), direct)
+    block = torch.ones(n, n, dtype=torch.bool, device=HOST).tril()
+    return Job(cache, [int(i) for i in ids], start + torch.arange(n, device=HOST), block, list(keep), direct)
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -206,12 +206,12 @@ def _masks(jobs: Sequence[Job], layouts: Sequence[_RowLayout], kinds: Sequence[s
     masks: dict[str, torch.Tensor] = {}
     for kind in kinds:
         k = widths[kind]
-        allowed = torch.zeros(len(jobs), width_new, k + width_new, dtype=torch.bool, device=device)
+        allowed = torch.zeros(len(jobs), width_new, k + width_new, dtype=torch.bool, device=HOST)
         for r, (job, lay) in enumerate(zip(jobs, layouts)):
             v = lay.visible[kind]
             allow_row(allowed[r], job, lay.context - v, k - v, v, k,
                        window if kind == "sliding_attention" else None)
-        masks[kind] = additive_mask(allowed, dtype)
+        masks[kind] = additive_mask(to_device(allowed, device), dtype)
     return masks
 
 
@@ -222,10 +222,10 @@ def _slab_mask(jobs: Sequence[Job], contexts: Sequence[int], width_new: int, win
     Row ``r``'s cached states sit at columns ``[0, c)`` (column = position) and its new
     tokens right after them, at ``[c, c + N)``; everything past is another row's length or scratch.
     """
-    allowed = torch.zeros(len(jobs), width_new, max(contexts) + width_new, dtype=torch.bool, device=device)
+    allowed = torch.zeros(len(jobs), width_new, max(contexts) + width_new, dtype=torch.bool, device=HOST)
     for r, (job, c) in enumerate(zip(jobs, contexts)):
         allow_row(allowed[r], job, 0, 0, c, c, window)
-    return additive_mask(allowed, dtype)
+    return additive_mask(to_device(allowed, device), dtype)
 
 
 #: Causal-LM classes whose head is exactly ``lm_head`` (+ the config's final logit soft-capping).
@@ -245,15 +245,15 @@ def _logits_rows(model: Any, jobs: Sequence[Job], ids: torch.Tensor, cache: Any,
     if type(model).__name__ in PLAIN_HEADS and body is not None and head is not None:
         hidden = body(input_ids=ids, cache=cache, use_cache=True, attention_mask=mask,
                       position_ids=positions).last_hidden_state
-        rows = torch.tensor([r for r, job in enumerate(jobs) for _ in job.keep], dtype=torch.long, device=hidden.device)
-        cols = torch.tensor([k for job in jobs for k in job.keep], dtype=torch.long, device=hidden.device)
+        rows = to_device([r for r, job in enumerate(jobs) for _ in job.keep], hidden.device)
+        cols = to_device([k for job in jobs for k in job.keep], hidden.device)
         logits = head(hidden[rows, cols])
         cap = getattr(text_config(model), "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return list(logits.float().split([len(job.keep) for job in jobs]))
     wanted = sorted({k for job in jobs for k in job.keep})
-    index = torch.tensor(wanted, dtype=torch.long, device=ids.device)
+    index = to_device(wanted, ids.device)
     out = model(input_ids=ids, cache=cache, use_cache=True, attention_mask=mask, position_ids=positions,
                 logits_to_keep=index)
     column = {k: c for c, k in enumerate(wanted)}
@@ -330,14 +330,15 @@ def batched_forward(model: Any, jobs: Sequence[Job], buffers: dict[Any, torch.Te
             layer.adopt(keys, values, widths[kind])
             layers.append(layer)
         cache.layers = layers
-    ids = torch.zeros(len(jobs), width_new, dtype=torch.long, device=device)
-    positions = torch.zeros(len(jobs), width_new, dtype=torch.long, device=device)
+    ids = torch.zeros(len(jobs), width_new, dtype=torch.long)  # built on the host, copied once each
+    positions = torch.zeros(len(jobs), width_new, dtype=torch.long)
     for r, job in enumerate(jobs):
         n = len(job.ids)
-        ids[r, :n] = torch.tensor(job.ids, dtype=torch.long, device=device)
-        pos = job.positions.to(device)
+        ids[r, :n] = torch.tensor(job.ids, dtype=torch.long)
+        pos = job.positions.to(HOST)
         positions[r, :n] = pos
-        positions[r, n:] = pos[-1] + 1 + torch.arange(width_new - n, device=device)
+        positions[r, n:] = pos[-1] + 1 + torch.arange(width_new - n)
+    ids, positions = to_device(ids, device), to_device(positions, device)
     dtype = model.dtype if model.dtype.is_floating_point else torch.float32
     masks = _masks(jobs, layouts_ok, gathered, widths, width_new, window, dtype, device)
     for kind in slab_kinds:

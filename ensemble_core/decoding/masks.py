@@ -126,6 +126,32 @@ def allow_row(allowed: torch.Tensor, job: Any, first_pos: int, ctx_col: int, vis
     allowed[pads, new_col + pads] = True
 
 
+def slot_allowed(positions: torch.Tensor, context: torch.Tensor, block: torch.Tensor, span: int,
+                 window: int | None) -> torch.Tensor:
+    """``[R, k, span]`` visibility of a pass over KV slots, from its inputs alone.
+
+    Row ``r``'s cached states fill columns ``[0, context[r])`` at positions equal to their
+    column; its ``k`` new tokens (``positions[r]``) are written at ``context[r] ..`` and see each
+    other as ``block[r]`` says (``[k, k]``, padding queries included: they see their own column).
+    A cached state is visible to a query at or after its position, and within ``window``
+    positions on sliding layers. Pure tensor ops on the inputs' device, no host read and no
+    size taken from the values: a CUDA graph records it with the pass, so a replay builds
+    its masks itself from the few numbers the host copied in
+    (:mod:`~ensemble_core.decoding.static`).
+    """
+    r, k = positions.shape
+    cols = torch.arange(span, device=positions.device)
+    rel = cols[None, None, :] - context[:, None, None]  # [R, 1, S]: the new token a column holds, if any
+    at = rel.clamp(0, k - 1)
+    new = (rel >= 0) & (rel < k)
+    q = positions[:, :, None]
+    allowed = ((rel < 0) & (cols <= q)) | (new & block.gather(2, at.expand(r, k, span)))
+    if window is not None:
+        key_pos = torch.where(new[:, 0], positions.gather(1, at[:, 0]), cols)  # [R, S]
+        allowed = allowed & ((q - key_pos[:, None, :]) < window)
+    return allowed
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[B, N, K]`` booleans as the ``[B, 1, N, K]`` additive mask attention takes."""
     fill = torch.finfo(dtype).min

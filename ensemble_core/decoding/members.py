@@ -260,7 +260,7 @@ class DecodeState:
         def direct() -> torch.Tensor:
             return single_pass(model, pending, cache, keep, device)
 
-        return route(causal_job(cache, pending, range(len(pending) - keep, len(pending)), direct, device))
+        return route(causal_job(cache, pending, range(len(pending) - keep, len(pending)), direct))
 
     def crop(self, n: int) -> None:
         """Keep the first ``n`` ids (``1 <= n <= len``), dropping the rest and their cache.

@@ -38,6 +38,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ensemble_core.decoding.cache import InPlaceAppend
+from ensemble_core.decoding.transfer import to_device
 
 
 def room_for(need: int) -> int:
@@ -152,7 +153,7 @@ class Slab:
 
 def slab_columns(lengths: Sequence[int], width_new: int, device: Any) -> torch.Tensor:
     """``[rows, width_new]`` column of each new token in its row: right after the row's cached states."""
-    start = torch.tensor(list(lengths), dtype=torch.long, device=device)
+    start = to_device(list(lengths), device)
     return start[:, None] + torch.arange(width_new, device=device)[None, :]
 
 

@@ -25,7 +25,13 @@ and shapes, so everything a pass touches is fixed here:
   pass are padding; the pool is the batch, nothing is gathered or scattered, and each row
   writes its new states at its own positions (``index_put_``). So a member captures one graph
   per (rows, tokens, span) it used, whichever slots ran them.
-* ids, positions, write positions, the masks and the logits are buffers of that bucket.
+* **the host hands a pass over in one copy**: ids, positions, write positions, each row's
+  context length and the new tokens' visibility are one flat buffer of the bucket
+  (:func:`host_inputs` builds it on the host in a few ops, whatever the rows;
+  :func:`~ensemble_core.decoding.transfer.to_device` copies it without a stream sync), and
+  the masks are computed from it inside the pass
+  (:func:`~ensemble_core.decoding.masks.slot_allowed`), so a replay launches nothing per row.
+  The logits are a buffer of the bucket too.
 
 Modes (``Member(passes=...)``, ``MemberSpec.passes``): ``"eager"`` (the default: dynamic caches,
 :mod:`~ensemble_core.decoding.forward`), ``"static"`` (these passes as ordinary calls: what a CPU
@@ -59,11 +65,12 @@ from ensemble_core.decoding.forward import PLAIN_HEADS, Job
 from ensemble_core.decoding.masks import (
     MASK_HONOURING_ATTENTION,
     additive_mask,
-    allow_row,
     layer_types,
     sliding_window,
+    slot_allowed,
     text_config,
 )
+from ensemble_core.decoding.transfer import HOST, fill, to_device
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.models.loading import check_passes
 
@@ -84,6 +91,10 @@ POOL_MEMORY_SHARE = 0.25
 #: Eager runs on a side stream before a capture (lazy initialisation inside kernels and
 #: allocator warm-up must not be recorded; torch's documented recipe).
 WARMUP_RUNS = 2
+
+
+#: One request's part of a pass: its pool row, its job, its cached context.
+Placed = tuple[int, Job, int]
 
 
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
@@ -130,21 +141,66 @@ class SlotLayer(RoomyLayer):
 
 @dataclass(eq=False)
 class Bucket:
-    """The fixed inputs and outputs of passes of ``R`` rows x ``k`` tokens over ``span`` states, and their graph."""
+    """The fixed inputs and outputs of passes of ``R`` rows x ``k`` tokens over ``span`` states, and their graph.
 
+    ``inputs`` is one flat buffer (:func:`split_inputs`: ids, positions, write positions, each
+    row's context length, the new tokens' visibility), so that the host fills a pass with one
+    copy; the masks are computed from it inside the pass (:func:`~ensemble_core.decoding.masks.slot_allowed`).
+    """
+
+    rows_n: int
+    tokens: int
     span: int
-    ids: torch.Tensor  # [R, k]
-    positions: torch.Tensor  # [R, k]
-    write: torch.Tensor  # [R, k]: the slot positions the new states go to
+    inputs: torch.Tensor  # flat int64, see split_inputs
     rows: torch.Tensor  # [R, k]: the pool row of every new state
-    masks: dict[str, torch.Tensor]  # per layer type, [R, 1, k, span] additive
     graph: Any = None
     out: torch.Tensor | None = None  # [R, k, V] logits the graph writes
     failed: str | None = None  # why this bucket is not captured
 
     @property
     def key(self) -> str:
-        return f"{self.ids.shape[0]}x{self.ids.shape[1]}x{self.span}"
+        return f"{self.rows_n}x{self.tokens}x{self.span}"
+
+
+def inputs_size(r: int, k: int) -> int:
+    """Length of the flat inputs of a pass of ``r`` rows x ``k`` tokens."""
+    return 3 * r * k + r + r * k * k
+
+
+def split_inputs(flat: torch.Tensor, r: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Views of a pass's flat inputs: ids, positions, write positions (``[R, k]`` each), context
+    lengths (``[R]``), visibility of the new tokens among themselves (``[R, k, k]``, 0/1)."""
+    ids, positions, write, context, block = flat.split([r * k, r * k, r * k, r, r * k * k])
+    return ids.view(r, k), positions.view(r, k), write.view(r, k), context, block.view(r, k, k)
+
+
+def host_inputs(placed: Sequence[Placed], r: int, k: int, scratch: int) -> torch.Tensor:
+    """The flat inputs (on the host) of a pass of ``r`` rows x ``k`` tokens holding the ``placed`` jobs.
+
+    A job's row: its ids then zeros, its positions continued past its last one, write
+    positions right after its context, its ``block`` with each padding query seeing itself.
+    A row without a job (padding) writes at ``scratch ..`` (the slots' scratch tail) and sees
+    column 0 only (context 1, every query at position 0, no new token visible): never an empty
+    softmax, even within a sliding window, whose NaNs would reach the scratch tail that a
+    full-length span reads (masked, but NaN times 0 is NaN).
+    """
+    steps = torch.arange(k)
+    ids = torch.zeros(r, k, dtype=torch.long)
+    positions = torch.zeros(r, k, dtype=torch.long)
+    write = scratch + steps.repeat(r, 1)
+    context = torch.ones(r, dtype=torch.long)
+    block = torch.zeros(r, k, k, dtype=torch.long)
+    for row, job, ctx in placed:
+        n = len(job.ids)
+        pos = job.positions.to(HOST)
+        ids[row, :n] = torch.tensor(job.ids, dtype=torch.long)
+        positions[row, :n] = pos
+        positions[row, n:] = pos[-1] + 1 + steps[:k - n]
+        write[row] = ctx + steps
+        context[row] = ctx
+        block[row, :n, :n] = job.block.to(HOST)
+        block[row, steps[n:], steps[n:]] = 1
+    return torch.cat([ids.flatten(), positions.flatten(), write.flatten(), context, block.flatten()])
 
 
 @dataclass(eq=False)
@@ -251,10 +307,6 @@ def unsupported_reason(model: Any) -> str | None:
     if impl not in MASK_HONOURING_ATTENTION:
         return f"attention {impl!r} ignores the additive masks static passes need (use 'sdpa')"
     return None
-
-
-#: One request's part of a pass: its pool row, its job, its cached context.
-Placed = tuple[int, Job, int]
 
 
 class StaticPasses:
@@ -389,12 +441,12 @@ class StaticPasses:
         span = self.span_for(max(contexts) + k)
         bucket = pool.buckets.get((r, k, span)) or pool.buckets.setdefault((r, k, span), self._bucket(r, k, span))
         placed = [(c.slot.index, job, context) for c, job, context in zip(caches, jobs, contexts)]
-        self._fill(bucket, placed)
+        fill(bucket.inputs, host_inputs(placed, r, k, self.room))
         out, replayed = self._replay(bucket, pool.keys, pool.values)
-        results = [out[row].index_select(0, torch.tensor(job.keep, dtype=torch.long, device=out.device)).float()
-                   for row, job, _ in placed]
+        wanted = [row * k + i for row, job, _ in placed for i in job.keep]  # one gather for every row (a copy:
+        picked = out.flatten(0, 1).index_select(0, to_device(wanted, out.device)).float()  # the next replay reuses out)
         self._commit(caches, contexts, [len(job.ids) for job in jobs], replayed)
-        return results
+        return list(picked.split([len(job.keep) for job in jobs]))
 
     def _commit(self, caches: Sequence[StaticCache], contexts: Sequence[int], fed: Sequence[int],
                 replayed: bool) -> None:
@@ -418,48 +470,25 @@ class StaticPasses:
         return next(s for s in self.spans if s >= end)
 
     def _bucket(self, r: int, k: int, span: int) -> Bucket:
-        s = self.shape
-        masks = {kind: torch.zeros(r, 1, k, span, dtype=s.dtype, device=s.device) for kind in dict.fromkeys(self.types)}
-        rows = torch.arange(r, device=s.device)[:, None].expand(r, k).contiguous()
-        return Bucket(span, torch.zeros(r, k, dtype=torch.long, device=s.device),
-                      torch.zeros(r, k, dtype=torch.long, device=s.device),
-                      torch.zeros(r, k, dtype=torch.long, device=s.device), rows, masks)
-
-    def _fill(self, bucket: Bucket, placed: Sequence[Placed]) -> None:
-        """Write the placed jobs into the bucket's buffers: ids and positions padded past each job's tokens, its
-        write positions after its context; rows without a job (padding) write into the slots' scratch tail and
-        see one column (their outputs are never read)."""
-        r, k = bucket.ids.shape
         device = self.shape.device
-        ids = torch.zeros(r, k, dtype=torch.long)
-        write = self.room + torch.arange(k).repeat(r, 1)
-        for row, job, context in placed:
-            ids[row, :len(job.ids)] = torch.tensor(job.ids, dtype=torch.long)
-            write[row] = context + torch.arange(k)
-        bucket.ids.copy_(ids.to(device, non_blocking=True))
-        bucket.write.copy_(write.to(device, non_blocking=True))
-        positions = torch.arange(k, device=device).repeat(r, 1)
-        for row, job, _ in placed:
-            n, pos = len(job.ids), job.positions.to(device)
-            positions[row, :n] = pos
-            positions[row, n:] = pos[-1] + 1 + torch.arange(k - n, device=device)
-        bucket.positions.copy_(positions)
-        for kind, mask in bucket.masks.items():
-            allowed = torch.zeros(r, k, bucket.span, dtype=torch.bool, device=device)
-            allowed[:, :, 0] = True  # padding rows: one column, no empty softmax
-            window = self.window if kind == "sliding_attention" else None
-            for row, job, context in placed:
-                allowed[row, :, 0] = False
-                allow_row(allowed[row], job, 0, 0, context, context, window)
-            mask.copy_(additive_mask(allowed, self.shape.dtype))
+        rows = torch.arange(r, device=device)[:, None].expand(r, k).contiguous()
+        return Bucket(r, k, span, torch.zeros(inputs_size(r, k), dtype=torch.long, device=device), rows)
 
-    def _forward(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], span: int, ids: torch.Tensor,
-                 positions: torch.Tensor, write: torch.Tensor, masks: dict[str, torch.Tensor],
-                 rows: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], span: int, inputs: torch.Tensor,
+                 r: int, k: int, rows: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The model's body over ``span`` states of the slot (``rows`` None) or of the pool's first rows, then its
-        head: ``[R, k, V]`` logits, or, with ``keep``, ``[len(keep), V]`` of the one row's positions ``keep``."""
+        head: ``[R, k, V]`` logits, or, with ``keep``, ``[len(keep), V]`` of the one row's positions ``keep``.
+
+        Everything it computes comes from the flat ``inputs`` (:func:`split_inputs`), the masks
+        included, so a graph of it needs nothing from the host but one copy into ``inputs``."""
+        ids, positions, write, context, block = split_inputs(inputs, r, k)
+        visible = block != 0
+        masks = {kind: additive_mask(slot_allowed(positions, context, visible, span,
+                                                  self.window if kind == "sliding_attention" else None),
+                                     self.shape.dtype)
+                 for kind in dict.fromkeys(self.types)}
         cache = WriteCache(keys, values, write, span, rows)
-        mask: Any = next(iter(masks.values())) if len(masks) == 1 else dict(masks)  # as verify-in-line hands them
+        mask: Any = next(iter(masks.values())) if len(masks) == 1 else masks  # as verify-in-line hands them
         hidden = self.model.model(input_ids=ids, cache=cache, use_cache=True, attention_mask=mask,
                                   position_ids=positions).last_hidden_state
         logits = self.model.lm_head(hidden if keep is None else hidden[0, keep])
@@ -470,8 +499,7 @@ class StaticPasses:
                 values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
         """The bucket's pass (inputs filled): its graph replayed, captured first if it can be, or run as a call."""
         def run() -> torch.Tensor:
-            return self._forward(keys, values, bucket.span, bucket.ids, bucket.positions, bucket.write, bucket.masks,
-                                 bucket.rows)
+            return self._forward(keys, values, bucket.span, bucket.inputs, bucket.rows_n, bucket.tokens, bucket.rows)
 
         if bucket.graph is None and bucket.failed is None and self.capturing:
             self._capture(bucket, run)
@@ -511,16 +539,9 @@ class StaticPasses:
     def _exact(self, slot: Slot, job: Job, context: int) -> torch.Tensor:
         """A pass at its own length (longer than every bucket: a prefill): static writes, no padding, no graph."""
         device, n = self.shape.device, len(job.ids)
-        ids = torch.tensor([job.ids], dtype=torch.long, device=device)
-        positions = job.positions.to(device)[None]
-        write = context + torch.arange(n, device=device)[None]
-        masks = {}
-        for kind in dict.fromkeys(self.types):
-            allowed = torch.zeros(n, context + n, dtype=torch.bool, device=device)
-            allow_row(allowed, job, 0, 0, context, context, self.window if kind == "sliding_attention" else None)
-            masks[kind] = additive_mask(allowed[None], self.shape.dtype)
-        keep = torch.tensor(job.keep, dtype=torch.long, device=device)
-        return self._forward(slot.keys, slot.values, context + n, ids, positions, write, masks, keep=keep).float()
+        inputs = to_device(host_inputs([(0, job, context)], 1, n, self.room), device)
+        keep = to_device(job.keep, device)
+        return self._forward(slot.keys, slot.values, context + n, inputs, 1, n, keep=keep).float()
 
 
 def _release(slot: Slot) -> None:

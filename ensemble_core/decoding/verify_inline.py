@@ -45,6 +45,7 @@ from ensemble_core.decoding.members import DecodeState, Member
 from ensemble_core.decoding.rows import delegate
 from ensemble_core.decoding.scheduler import run_job
 from ensemble_core.decoding.static import route
+from ensemble_core.decoding.transfer import HOST, to_device
 from ensemble_core.errors import InputError, UnsupportedAttentionError, UnsupportedModelError
 
 #: Layer types whose masks we know how to build (full causal, causal + sliding window).
@@ -150,7 +151,7 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | torch
     else:
         keep = [int(i) for i in logits_to_keep.tolist()]
     if layout is None:
-        job = causal_job(cache, ids, keep, direct, member.device)
+        job = causal_job(cache, ids, keep, direct)
     else:
         job = Job(cache, [int(i) for i in ids], layout[0], layout[1], keep, direct)
     rows = run_job(state.batch, member, route(job))
@@ -175,7 +176,7 @@ def _token_values(rows: torch.Tensor, targets: torch.Tensor, kind: str) -> torch
 
 def _end_value(row: torch.Tensor, eos_ids: Sequence[int], kind: str) -> torch.Tensor:
     """Score of "the text ends here": log of the total EOS probability (or the best EOS logit)."""
-    ids = torch.tensor(sorted(eos_ids), dtype=torch.long, device=row.device)
+    ids = to_device(sorted(eos_ids), row.device)
     if kind == "logprob":
         return torch.logsumexp(torch.log_softmax(row, dim=-1)[ids], dim=0)[None]
     return row[ids].max()[None]
@@ -249,9 +250,9 @@ def score_candidates_inline(state: DecodeState, candidates: Sequence[Sequence[in
         if keep:
             with cache_branch(state):
                 mask, positions = packed_masks(state, [lengths[i] for i in live])
-                layout = packed_layout([lengths[i] for i in live], state.cache.get_seq_length(), state.member.device)
+                layout = packed_layout([lengths[i] for i in live], state.cache.get_seq_length(), HOST)
                 packed = [int(t) for i in live for t in candidates[i]]
-                index = torch.tensor(keep, dtype=torch.long, device=state.member.device)
+                index = to_device(keep, state.member.device)
                 out = _forward(state, packed, index, layout, attention_mask=mask, position_ids=positions)
             rows_at = {p: out[j] for j, p in enumerate(keep)}
         for i in group:
@@ -259,7 +260,7 @@ def score_candidates_inline(state: DecodeState, candidates: Sequence[Sequence[in
             preds = [row0] + [rows_at[starts[i] + j] for j in range(n - 1)] if n else []
             values = []
             if n:
-                targets = torch.tensor([int(t) for t in candidates[i]], dtype=torch.long, device=row0.device)
+                targets = to_device([int(t) for t in candidates[i]], row0.device)
                 values.append(_token_values(torch.stack(preds), targets, kind))
             if ends[i]:
                 last = rows_at[starts[i] + n - 1] if n else row0
@@ -289,7 +290,7 @@ def score_candidates_separately(state: DecodeState, candidates: Sequence[Sequenc
             rows = torch.cat([row0[None], out], dim=0)
         values = []
         if ids:
-            targets = torch.tensor(ids, dtype=torch.long, device=row0.device)
+            targets = to_device(ids, row0.device)
             values.append(_token_values(rows[: len(ids)], targets, kind))
         if end:
             values.append(_end_value(rows[len(ids)], eos, kind))
