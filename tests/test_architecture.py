@@ -28,7 +28,7 @@ PACKAGE = "ensemble_core"
 
 #: Bottom to top. A module's layer is the first entry its dotted name (without the package) starts with.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "options")),
+    ("base", ("errors", "options", "transfer")),
     ("text and models", ("text", "models")),
     ("constrained decoding", ("constraints",)),
     ("decoding", ("decoding",)),

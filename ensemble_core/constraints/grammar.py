@@ -81,6 +81,7 @@ from ensemble_core.errors import (
     UnsupportedSchemaFeatureError,
     UnsupportedTokenizerError,
 )
+from ensemble_core.transfer import to_device
 
 __all__ = [
     "MAX_SAFE_INTEGER",
@@ -717,9 +718,9 @@ class ConstraintState:
             raise ConstraintError(f"The logits have {logits.shape[-1]} columns but the constraint was compiled for "
                                   f"vocab_size={self.vocab_size}. Compile it with the model's number of output rows "
                                   "(Member.vocab_size).")
-        masked = logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+        masked = logits.masked_fill(~to_device(self.allowed(), logits.device), float("-inf"))
         penalty = self.penalty()
-        return masked if penalty is None else masked - penalty.to(masked.device, masked.dtype)
+        return masked if penalty is None else masked - to_device(penalty, masked.device).to(masked.dtype)
 
     def accepts_text(self, text: str, *, end: bool = False) -> bool:
         """Would ``text`` be accepted here (and, with ``end=True``, complete the value)? The state is unchanged.

@@ -27,7 +27,6 @@ import torch
 from ensemble_core.decoding.lookup import propose
 from ensemble_core.decoding.pipeline import TokenPipeline
 from ensemble_core.decoding.rows import TensorRows, delegate
-from ensemble_core.decoding.transfer import to_device
 from ensemble_core.decoding.verify_inline import Mark, branch_feed, branch_marks, cache_branch, rewind
 from ensemble_core.text.alignment import (
     DECODE_CONTEXT,
@@ -35,6 +34,7 @@ from ensemble_core.text.alignment import (
     REPLACEMENT_CHAR,
     decode_suffix,
 )
+from ensemble_core.transfer import to_device
 
 
 def draft_tokens(state: Any, limit: int, budget: int, pipeline: TokenPipeline, confidence: float = 0.0,

@@ -40,7 +40,7 @@ import torch
 from ensemble_core.decoding.cache import RoomyLayer, RoomySlidingLayer
 from ensemble_core.decoding.masks import additive_mask, allow_row, layer_types, sliding_window, text_config
 from ensemble_core.decoding.slab import Slab
-from ensemble_core.decoding.transfer import HOST, to_device
+from ensemble_core.transfer import HOST, to_device
 
 
 # ----------------------------------------------------------------------------- one request

@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ensemble_core.decoding.cache import InPlaceAppend
-from ensemble_core.decoding.transfer import to_device
+from ensemble_core.transfer import to_device
 
 
 def room_for(need: int) -> int:

@@ -28,7 +28,7 @@ and shapes, so everything a pass touches is fixed here:
 * **the host hands a pass over in one copy**: ids, positions, write positions, each row's
   context length and the new tokens' visibility are one flat buffer of the bucket
   (:func:`host_inputs` builds it on the host in a few ops, whatever the rows;
-  :func:`~ensemble_core.decoding.transfer.to_device` copies it without a stream sync), and
+  :func:`~ensemble_core.transfer.to_device` copies it without a stream sync), and
   the masks are computed from it inside the pass
   (:func:`~ensemble_core.decoding.masks.slot_allowed`), so a replay launches nothing per row.
   The logits are a buffer of the bucket too.
@@ -70,9 +70,9 @@ from ensemble_core.decoding.masks import (
     slot_allowed,
     text_config,
 )
-from ensemble_core.decoding.transfer import HOST, fill, to_device
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.models.loading import check_passes
+from ensemble_core.transfer import HOST, fill, to_device
 
 #: Token counts a static pass is padded to (and, with "graphs", captured at): a decode step,
 #: draft and verify windows, packed candidates.

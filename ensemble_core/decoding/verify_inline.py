@@ -45,8 +45,8 @@ from ensemble_core.decoding.members import DecodeState, Member
 from ensemble_core.decoding.rows import delegate
 from ensemble_core.decoding.scheduler import run_job
 from ensemble_core.decoding.static import route
-from ensemble_core.decoding.transfer import HOST, to_device
 from ensemble_core.errors import InputError, UnsupportedAttentionError, UnsupportedModelError
+from ensemble_core.transfer import HOST, to_device
 
 #: Layer types whose masks we know how to build (full causal, causal + sliding window).
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -51,6 +51,7 @@ import torch
 
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.options import FUSION_RULES, SHARPENINGS, WEIGHTS_EXPECTED, check_choice, check_int, normalize_weight_option
+from ensemble_core.transfer import to_device
 
 
 class EndOfText:
@@ -392,7 +393,7 @@ def _selectable_on(selectable: torch.Tensor, device: torch.device) -> tuple[torc
         _, count, copies = entry
         mask = copies.get(str(device))
         if mask is None:
-            mask = copies[str(device)] = selectable.to(device)
+            mask = copies[str(device)] = to_device(selectable, device)
     return mask, count
 
 
@@ -485,7 +486,7 @@ class UnionVocabulary:
         with _TABLE_LOCK:
             maps = self._copies.get(key)
             if maps is None:
-                maps = self._copies[key] = tuple(m.to(device) for m in self.maps)
+                maps = self._copies[key] = tuple(to_device(m, device) for m in self.maps)
         return maps
 
     @property
@@ -641,7 +642,7 @@ def weighted_mean(member_probs: torch.Tensor, weights: torch.Tensor | None) -> t
     """The members' average over dim 0 (``member_probs[m, ...]``), weighted when ``weights`` are given."""
     if weights is None:
         return member_probs.mean(0)
-    return torch.tensordot(weights.to(member_probs.device, member_probs.dtype), member_probs, dims=1)
+    return torch.tensordot(to_device(weights, member_probs.device).to(member_probs.dtype), member_probs, dims=1)
 
 
 # ============================================================================ sharpening
