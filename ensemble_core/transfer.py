@@ -1,17 +1,19 @@
 """Host values onto the model's device without waiting for it.
 
 Why. Every pass needs a few small inputs the host decides (token ids, positions, which
-rows to keep, a mask). ``torch.tensor(values, device="cuda")`` and ``.to("cuda")`` copy
-them *blocking*: torch synchronises the stream after the copy, so the host waits for every
-kernel queued before it, and the next pass cannot be prepared while the GPU works (one
-stall per call, several per output token). A copy from pageable memory with
-``non_blocking=True`` is staged by the driver at once and ordered on the stream, with no
-synchronisation (CUDA's documented behaviour for pageable host-to-device copies), and the
-host tensor may be freed right away. On a CPU both are the same copy.
+rows to keep, a mask, a grammar's allowed tokens). ``torch.tensor(values, device="cuda")``
+and ``.to("cuda")`` copy them *blocking*: torch synchronises the stream after the copy, so
+the host waits for every kernel queued before it and cannot prepare the next pass while the
+GPU works (one stall per call, several per output token). A copy from page-locked memory
+with ``non_blocking=True`` is queued on the stream and returns at once; torch's caching host
+allocator (``Tensor.pin_memory``) keeps the pinned source alive until the copy's stream
+event has fired, so the host may drop its tensor right away (vLLM stages its inputs in
+pinned buffers the same way). A copy from pageable memory may block on some drivers: the
+values are staged in pinned memory first. On a CPU it is the ordinary copy.
 
 So the layouts a pass is built from (:class:`~ensemble_core.decoding.forward.Job`'s
 positions and visibility) live on the host, the passes build their inputs there in a few
-ops whatever the number of rows, and hand them over with :func:`to_device`.
+ops whatever the number of rows, and hand them over with :func:`to_device` or :func:`fill`.
 """
 
 from __future__ import annotations
@@ -25,20 +27,28 @@ import torch
 HOST = torch.device("cpu")
 
 
-def to_device(values: torch.Tensor | Sequence[Any], device: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``values`` (a host tensor or a nested list of numbers) on ``device``, copied without a stream synchronisation.
+def _staged(values: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """``values`` ready for a copy to ``device``, and whether that copy may skip the wait (a host
+    source going to CUDA, staged in pinned memory; anything else copies the ordinary way: a
+    non-blocking copy *to* the host could be read before it lands)."""
+    if values.device.type != "cpu" or device.type != "cuda":
+        return values, False
+    return (values if values.is_pinned() else values.pin_memory()), True
 
-    A tensor already on ``device`` is returned as it is (cast to ``dtype`` if given); one on
-    another accelerator moves the ordinary way (only a host source may skip the wait: a
-    non-blocking copy *to* the host could be read before it lands).
-    """
+
+def to_device(values: torch.Tensor | Sequence[Any], device: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` (a host tensor or a nested list of numbers; ``dtype`` defaults to int64 for lists) on
+    ``device``, copied without a stream synchronisation. A tensor already there is returned as it is."""
     if not isinstance(values, torch.Tensor):
         values = torch.tensor(values, dtype=dtype if dtype is not None else torch.long)
     elif dtype is not None and values.dtype != dtype:
         values = values.to(dtype)
-    return values.to(device, non_blocking=values.device.type == "cpu")
+    device = torch.device(device)
+    source, quiet = _staged(values, device)
+    return source.to(device, non_blocking=quiet)
 
 
 def fill(buffer: torch.Tensor, values: torch.Tensor) -> None:
-    """Copy host ``values`` into a device ``buffer`` (a captured pass's input) without a stream synchronisation."""
-    buffer.copy_(values, non_blocking=values.device.type == "cpu")
+    """Copy host ``values`` into ``buffer`` (a captured pass's input, say) without a stream synchronisation."""
+    source, quiet = _staged(values, buffer.device)
+    buffer.copy_(source, non_blocking=quiet)

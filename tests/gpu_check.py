@@ -11,6 +11,9 @@ runs the same script on the CPU with tiny shapes, to check it before spending GP
 
 What it measures, written to ``OUT/gpu_check.json`` and printed:
 
+- ``transfers``: CUDA synchronisations of 100 small host-to-device copies made with
+  ``torch.tensor(..., device=)`` and with ``ensemble_core.transfer`` (``to_device``, ``fill``:
+  pinned staging, non-blocking; expected 0).
 - ``single``: greedy tokens/s of each member alone (``model.generate``).
 - ``verify_inline``: inline vs separate scoring at 2/4/8 candidates (bf16 timings) and
   the largest score difference between the two in float32.
@@ -53,6 +56,7 @@ from ensemble_core.bench.host_reads import cuda_syncs  # noqa: E402
 from ensemble_core.decoding.members import Member  # noqa: E402
 from ensemble_core.decoding.verify_inline import score_candidates_inline, score_candidates_separately  # noqa: E402
 from ensemble_core.testing import tiny_config  # noqa: E402
+from ensemble_core.transfer import fill, to_device  # noqa: E402
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?")
@@ -151,6 +155,24 @@ def batching(members: dict[str, Member], tokens: int, levels: tuple[int, ...] = 
 SLOT_TOKENS = 1024
 
 
+def transfers(device: str) -> dict:
+    """Synchronisations of 100 small host-to-device copies each way: ``torch.tensor(..., device=)`` (what the
+    code did), ``ensemble_core.transfer.to_device`` and ``fill`` (what it does: pinned staging, non-blocking)."""
+    buffer = torch.zeros(64, dtype=torch.long, device=device)
+    values = list(range(64))
+    ways = {"torch.tensor(device=)": lambda: torch.tensor(values, device=device),
+            "to_device": lambda: to_device(values, device),
+            "fill": lambda: fill(buffer, torch.tensor(values))}
+    counts = {}
+    for name, copy in ways.items():
+        with cuda_syncs() as seen:
+            for _ in range(100):
+                copy()
+        counts[name] = seen.get("syncs", 0)
+    ok = torch.equal(to_device(values, device).cpu(), torch.tensor(values))
+    return {"syncs_per_100_copies": counts, "values_arrive": ok}
+
+
 def twin(member: Member, passes: str) -> Member:
     """The same weights and tokenizer with its passes run ``passes`` (``ensemble_core.decoding.static``)."""
     return Member(member.model, member.tokenizer, name=f"{member.name}-{passes}", passes=passes,
@@ -201,6 +223,7 @@ def main() -> int:
         if not args.only or key in args.only:
             run_step(report, key, fn, args.out / "gpu_check.json")
 
+    step("transfers", lambda: transfers(device))
     members = {name: build(name, args.tokenizers, device, dtype, args.dry) for name in SHAPES}
     step("single", lambda: {n: single_speed(m, args.tokens) for n, m in members.items()})
     step("verify_inline", lambda: {

@@ -25,6 +25,6 @@ timeout "${PAPERS_S:-330}" "$PY" tests/gpu_papers.py --tokenizers "$TOK" --out "
   > "$OUT/papers.log" 2>&1
 echo "papers: rc=$?"
 timeout "${CHECK_S:-200}" "$PY" tests/gpu_check.py --tokenizers "$TOK" --out "$OUT/check" --tokens 64 --reps 3 \
-  --passes graphs --only batching batching_graphs $DRY > "$OUT/check.log" 2>&1
+  --passes graphs --only transfers batching batching_graphs $DRY > "$OUT/check.log" 2>&1
 echo "check: rc=$?"
 tail -c 3000 "$OUT/papers.log"
