@@ -129,31 +129,40 @@ def cache_branch(state: DecodeState) -> Iterator[None]:
         rewind(marks)
 
 
-def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | torch.Tensor,
-             layout: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | Sequence[int],
+             packed: Sequence[int] | None = None) -> torch.Tensor:
     """One forward pass of ``ids`` on the state's cache (inside a branch); float32 logits rows.
 
-    ``layout`` (position ids, new-token visibility; see :func:`packed_layout`) describes a
-    pass with custom ``kwargs`` masks to the batcher; without it the ids are causal after
-    the cache. In a batched request the pass is shared with other requests' rows
+    ``logits_to_keep``: how many last rows, or which positions (a host list). ``packed``: the
+    lengths of candidates packed after the cache (:func:`packed_layout`: their positions and
+    visibility go to the batcher and the static passes as the job's layout); None: the ids
+    are causal after the cache. The model's own call (``direct``: alone, or the fallback)
+    builds the packed masks only when it runs, so a pass that runs batched or static never
+    pays for them. In a batched request the pass is shared with other requests' rows
     (:mod:`ensemble_core.decoding.scheduler`).
     """
     t0 = time.perf_counter()
     member = state.member
     cache = state.cache
-
-    def direct() -> torch.Tensor:
-        return single_pass(member.model, ids, cache, logits_to_keep, member.device, **kwargs)
-
     n = len(ids)
     if isinstance(logits_to_keep, int):
-        keep = list(range(n - logits_to_keep, n))
-    else:
-        keep = [int(i) for i in logits_to_keep.tolist()]
-    if layout is None:
+        keep, wanted = list(range(n - logits_to_keep, n)), logits_to_keep
+    else:  # positions: the model's own call takes them as an index on its device
+        keep = [int(i) for i in logits_to_keep]
+        wanted = to_device(keep, member.device)
+
+    def direct() -> torch.Tensor:
+        if packed is None:
+            return single_pass(member.model, ids, cache, wanted, member.device)
+        mask, positions = packed_masks(state, packed)
+        return single_pass(member.model, ids, cache, wanted, member.device, attention_mask=mask,
+                           position_ids=positions)
+
+    if packed is None:
         job = causal_job(cache, ids, keep, direct)
     else:
-        job = Job(cache, [int(i) for i in ids], layout[0], layout[1], keep, direct)
+        positions, block = packed_layout(packed, cache.get_seq_length(), HOST)
+        job = Job(cache, [int(i) for i in ids], positions, block, keep, direct)
     rows = run_job(state.batch, member, route(job))
     state.stats.forward_passes += 1
     state.stats.tokens_fed += len(ids)
@@ -249,11 +258,8 @@ def score_candidates_inline(state: DecodeState, candidates: Sequence[Sequence[in
         rows_at: dict[int, torch.Tensor] = {}
         if keep:
             with cache_branch(state):
-                mask, positions = packed_masks(state, [lengths[i] for i in live])
-                layout = packed_layout([lengths[i] for i in live], state.cache.get_seq_length(), HOST)
                 packed = [int(t) for i in live for t in candidates[i]]
-                index = to_device(keep, state.member.device)
-                out = _forward(state, packed, index, layout, attention_mask=mask, position_ids=positions)
+                out = _forward(state, packed, keep, [lengths[i] for i in live])
             rows_at = {p: out[j] for j, p in enumerate(keep)}
         for i in group:
             n = lengths[i]
