@@ -443,8 +443,9 @@ class StaticPasses:
         placed = [(c.slot.index, job, context) for c, job, context in zip(caches, jobs, contexts)]
         fill(bucket.inputs, host_inputs(placed, r, k, self.room))
         out, replayed = self._replay(bucket, pool.keys, pool.values)
-        wanted = [row * k + i for row, job, _ in placed for i in job.keep]  # one gather for every row (a copy:
-        picked = out.flatten(0, 1).index_select(0, to_device(wanted, out.device)).float()  # the next replay reuses out)
+        # every row's kept positions in one gather: a copy, since the next replay of the bucket reuses ``out``
+        wanted = [row * k + i for row, job, _ in placed for i in job.keep]
+        picked = out.flatten(0, 1).index_select(0, to_device(wanted, out.device)).float()
         self._commit(caches, contexts, [len(job.ids) for job in jobs], replayed)
         return list(picked.split([len(job.keep) for job in jobs]))
 
