@@ -33,7 +33,7 @@ def _staged(values: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, b
     non-blocking copy *to* the host could be read before it lands)."""
     if values.device.type != "cpu" or device.type != "cuda":
         return values, False
-    return (values if values.is_pinned() else values.pin_memory()), True
+    return values.pin_memory(), True  # a copy unless already pinned (then do not change it before the copy runs)
 
 
 def to_device(values: torch.Tensor | Sequence[Any], device: Any, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from ensemble_core import Ensemble, InvalidOptionError
 from ensemble_core.bench.host_reads import HostReads
 from ensemble_core.decoding import static as static_module
+from ensemble_core.decoding import verify_inline
 from ensemble_core.decoding.forward import Job
 from ensemble_core.decoding.masks import allow_row, packed_layout, slot_allowed
 from ensemble_core.decoding.members import Member
@@ -208,6 +209,29 @@ def test_a_pool_pass_copies_its_inputs_to_the_device_once_whatever_its_rows(monk
         copies.clear()
         assert runner.run_batch(feed_jobs(group, [random_ids(2, 9)] * len(group))) is not None
         assert sorted(copies) == ["fill", "to_device"], (len(group), copies)
+
+
+def test_packed_candidates_on_a_static_member_never_build_the_eager_packed_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verify-in-line hands its packed layout to the job; the model's own masks (``packed_masks``) are built only
+    when the eager call runs: never on a static member, once per packed pass on an eager one. Same scores."""
+    eager = tiny_member("gemma3-270m", seed=3, layers=4, sliding_window=8)
+    static = static_twin(eager)
+    built: list[str] = []
+    real = verify_inline.packed_masks
+
+    def counted(state, lengths):  # type: ignore[no-untyped-def]
+        built.append(state.member.name)
+        return real(state, lengths)
+
+    monkeypatch.setattr(verify_inline, "packed_masks", counted)
+    candidates = [random_ids(3, 20), random_ids(2, 21), random_ids(4, 22)]
+    scores = {}
+    for member in (eager, static):
+        state = member.start_from_ids(random_ids(10, 8))
+        scores[member.name] = verify_inline.score_candidates_inline(state, candidates)
+    assert built == [eager.name]
+    for a, b in zip(scores[eager.name], scores[static.name]):
+        assert float((a - b).abs().max()) < 1e-4
 
 
 def test_a_state_that_outgrows_its_slot_leaves_it_and_stays_exact() -> None:

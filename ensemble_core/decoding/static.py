@@ -148,14 +148,20 @@ class Bucket:
     copy; the masks are computed from it inside the pass (:func:`~ensemble_core.decoding.masks.slot_allowed`).
     """
 
-    rows_n: int
-    tokens: int
     span: int
     inputs: torch.Tensor  # flat int64, see split_inputs
     rows: torch.Tensor  # [R, k]: the pool row of every new state
     graph: Any = None
     out: torch.Tensor | None = None  # [R, k, V] logits the graph writes
     failed: str | None = None  # why this bucket is not captured
+
+    @property
+    def rows_n(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.rows.shape[1])
 
     @property
     def key(self) -> str:
@@ -473,7 +479,7 @@ class StaticPasses:
     def _bucket(self, r: int, k: int, span: int) -> Bucket:
         device = self.shape.device
         rows = torch.arange(r, device=device)[:, None].expand(r, k).contiguous()
-        return Bucket(r, k, span, torch.zeros(inputs_size(r, k), dtype=torch.long, device=device), rows)
+        return Bucket(span, torch.zeros(inputs_size(r, k), dtype=torch.long, device=device), rows)
 
     def _forward(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], span: int, inputs: torch.Tensor,
                  r: int, k: int, rows: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:

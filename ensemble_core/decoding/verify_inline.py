@@ -145,13 +145,11 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | Seque
     member = state.member
     cache = state.cache
     n = len(ids)
-    if isinstance(logits_to_keep, int):
-        keep, wanted = list(range(n - logits_to_keep, n)), logits_to_keep
-    else:  # positions: the model's own call takes them as an index on its device
-        keep = [int(i) for i in logits_to_keep]
-        wanted = to_device(keep, member.device)
+    keep = list(range(n - logits_to_keep, n)) if isinstance(logits_to_keep, int) else [int(i) for i in logits_to_keep]
 
     def direct() -> torch.Tensor:
+        # positions: the model's own call takes them as an index on its device
+        wanted = logits_to_keep if isinstance(logits_to_keep, int) else to_device(keep, member.device)
         if packed is None:
             return single_pass(member.model, ids, cache, wanted, member.device)
         mask, positions = packed_masks(state, packed)
