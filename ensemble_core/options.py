@@ -249,7 +249,8 @@ class ReliabilityOptions:
     ``reliability``: ``"prior"`` (default): each member weighs in proportion to its body
     size (parameters outside the embeddings and the output head), and a member without its
     own chat template, which answers a chat prompt through the fallback transcript, weighs
-    ``template_penalty`` times that; SpecEM's Hedge starts from these weights and goes on
+    ``template_penalty`` times that (on a request with tools, a member whose template does not
+    render them: ``template_penalty`` once more); SpecEM's Hedge starts from these weights and goes on
     learning from verification. ``"none"``: every member weighs the same, as published (the
     default under ``published=True``).
     ``reliability_weights``: per-member weights measured on the user's own questions
@@ -268,7 +269,8 @@ class ReliabilityOptions:
         if self.reliability is not None:  # None: the default, resolved per request (reliability_mode)
             check_choice("reliability", self.reliability, RELIABILITY_MODES)
         check_number("template_penalty", self.template_penalty, 0, 1, above=True,
-                     expected="a number in (0, 1] (1: a member without a chat template weighs as its size says)")
+                     expected="a number in (0, 1] (1: a member reading the chat or the tools through the "
+                              "fallback weighs as its size says)")
         try:
             weights = normalize_weight_option(self.reliability_weights)
         except InvalidOptionError:

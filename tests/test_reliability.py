@@ -1,14 +1,15 @@
 """Reliability weights (``ensemble_core.methods.reliability``): a weak member must not drag the answers.
 
 * Pure pieces: body sizes read off the bundled models' configs, the prior (size, a quarter
-  without a chat template), which weights win (``fusion_weights`` > ``reliability_weights`` >
+  without a chat template, a quarter more on a request with tools for a template without them), which weights win (``fusion_weights`` > ``reliability_weights`` >
   the prior > ``"none"``), the option checks, Hedge with a zero weight, calibration's rule,
   the wins a decision gives.
 * Every method on tiny members (real tokenizers, random weights): the weights reach the
   fusion / Hedge / the judges, and the stats report each member's weight and wins;
   ``reliability="none"`` is the published uniform vote.
 * The benchmark's check of an ensemble against its best member, on synthetic records.
-* One real test: on the bundled trio the stats give Gemma-3 (no chat template) the smallest weight.
+* Two real tests: on the bundled trio the stats give Gemma-3 (no chat template) the smallest weight,
+  and on a request with tools SmolLM2 and Gemma-3 (no tool template) a quarter less again.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from ensemble_core.methods.reliability import (
     body_parameters,
     calibrate,
     calibrated_weights,
+    fallback_formats,
     has_chat_template,
     member_weights,
+    offers_tools,
     prior_weights,
 )
 from ensemble_core.methods.safe import SafeConfig, SafeEnsemble
@@ -56,7 +59,7 @@ def stub(alias: str, template: bool | None = None) -> SimpleNamespace:
                          num_key_value_heads=kv, head_dim=head_dim)
     has = bool(tokenizer.chat_template) if template is None else template
     return SimpleNamespace(name=alias, model=SimpleNamespace(config=config), chat_template=None,
-                           tokenizer=SimpleNamespace(chat_template="{{ x }}" if has else None))
+                           tokenizer=SimpleNamespace(chat_template=(tokenizer.chat_template or "{{ x }}") if has else None))
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +97,35 @@ def test_prior_weighs_by_size_and_a_quarter_without_a_chat_template(trio_stubs: 
     assert prior_weights(trio_stubs, template_penalty=1.0)[1] == pytest.approx(100_270_080 / 564_264_960)
     # the Qwen pair
     assert prior_weights([trio_stubs[0], trio_stubs[2]]) == pytest.approx([0.229, 0.771], abs=1e-3)
+
+
+TOOL = {"type": "function", "function": {"name": "multiply", "description": "Multiply two numbers.",
+                                         "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}
+
+
+def test_prior_weighs_a_member_down_once_per_format_it_reads_through_a_fallback(trio_stubs: list[SimpleNamespace]) -> None:
+    # Qwen's template renders tools; SmolLM2's renders chats but not tools; Gemma-3 has no template at all
+    assert [fallback_formats(m) for m in trio_stubs] == [0, 1, 0]
+    assert [fallback_formats(m, tools=True) for m in trio_stubs] == [1, 2, 0]
+    raw = [106_168_320 / 4, 100_270_080 / 16, 357_826_560]
+    assert prior_weights(trio_stubs, tools=True) == pytest.approx([r / sum(raw) for r in raw])
+    # the Qwen pair on a request with tools: SmolLM2 reads them as system-prompt instructions (docs/agents.md)
+    assert prior_weights([trio_stubs[0], trio_stubs[2]], tools=True) == pytest.approx([0.069, 0.931], abs=1e-3)
+    # SmolLM2 + Gemma-3 keep their order: each fallback costs both alike
+    smol, gemma = prior_weights(trio_stubs[:2], tools=True)
+    assert smol / gemma == pytest.approx(prior_weights(trio_stubs[:2])[0] / prior_weights(trio_stubs[:2])[1])
+
+
+@pytest.mark.parametrize("choice, penalized", [("auto", True), ("required", True), ("multiply", True), ("none", False)])
+def test_a_request_offering_tools_takes_the_tool_fallback_into_the_prior(
+        trio_stubs: list[SimpleNamespace], choice: str, penalized: bool) -> None:
+    pair = [trio_stubs[0], trio_stubs[2]]
+    config = SafeConfig(tools=[TOOL], tool_choice=choice)
+    assert offers_tools(config) is penalized
+    assert member_weights(pair, config).values == pytest.approx(prior_weights(pair, tools=penalized))
+    assert not offers_tools(SafeConfig()) and not offers_tools(SimpleNamespace())
+    # explicit and calibrated weights are the user's: no format penalty on them
+    assert member_weights(pair, SafeConfig(tools=[TOOL], fusion_weights=[1, 1])).values == (0.5, 0.5)
 
 
 def test_which_weights_win(trio_stubs: list[SimpleNamespace]) -> None:
@@ -281,3 +313,18 @@ def test_the_trio_gives_gemma3_the_smallest_weight(smollm2: Member, gemma3: Memb
         assert result.stats["reliability"] == "prior" and sum(weights) == pytest.approx(1.0, abs=1e-5)
         assert min(weights) == weights[1] and max(weights) == weights[2], weights
         assert weights == pytest.approx([0.217, 0.051, 0.732], abs=2e-3)
+
+
+@pytest.mark.real
+def test_on_a_request_with_tools_the_members_without_tool_templates_weigh_less(
+        smollm2: Member, gemma3: Member, qwen: Member) -> None:
+    """The real templates decide: Qwen's renders tools, SmolLM2's and the fallback transcript do not."""
+    from ensemble_core import Ensemble
+
+    assert [m.native_tools for m in (smollm2, gemma3, qwen)] == [False, False, True]
+    trio = Ensemble([smollm2, gemma3, qwen], method="safe", max_new_tokens=4)
+    with_tools = trio.generate("What is 6 times 7?", tools=[TOOL])
+    weights = [m["weight"] for m in with_tools.stats["members"]]
+    assert weights == pytest.approx([0.068, 0.016, 0.916], abs=2e-3)
+    without = trio.generate("What is 6 times 7?", tools=[TOOL], tool_choice="none")
+    assert [m["weight"] for m in without.stats["members"]] == pytest.approx([0.217, 0.051, 0.732], abs=2e-3)

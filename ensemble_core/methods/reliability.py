@@ -14,7 +14,13 @@ What counts as evidence, and what it costs (the comparison is in docs/choosing.m
   of its transformer layers, without the embeddings and the output head, read off its
   config), and a member without its own chat template, which reads a chat prompt through
   the fallback transcript, weighs ``template_penalty`` (0.25) times that
-  (:func:`prior_weights`). On the trio: SmolLM2 0.22, Gemma-3 0.05, Qwen 0.73.
+  (:func:`prior_weights`). On the trio: SmolLM2 0.22, Gemma-3 0.05, Qwen 0.73. On a request
+  that offers tools, a member whose template does not render them (it reads them as
+  instructions in the system prompt) pays ``template_penalty`` once more
+  (:func:`fallback_formats`): the Qwen pair 0.07 / 0.93 instead of 0.23 / 0.77. Why: in the
+  agent suite (docs/agents.md) SmolLM2's vote was what turned Qwen's calls wrong where they
+  differed (``element_symbol("Na")`` for "the symbol of sodium", an answer without the tool),
+  and SmolLM2 reads the tools in a format it was never trained on.
 * **Calibration** (``reliability_weights``, from :func:`calibrate`): every member answers a
   few of the user's questions alone; a member far below the best (less than ``keep`` of
   its accuracy) loses its vote, the others weigh by accuracy: the "determine-then-ensemble"
@@ -52,6 +58,7 @@ from ensemble_core.decoding.stats import MemberStats
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.methods.single import SingleModel
 from ensemble_core.options import reliability_mode
+from ensemble_core.text.chat import template_supports_tools
 from ensemble_core.text.distributions import fusion_weights
 
 #: A calibrated member keeps its vote while its accuracy is at least this share of the best's.
@@ -93,16 +100,39 @@ def body_parameters(member: Member) -> int:
     return max(1, sum(p.numel() for p in params() if id(p) not in skip))
 
 
+def _chat_template(member: Member) -> str | None:
+    return member.chat_template or getattr(member.tokenizer, "chat_template", None)
+
+
 def has_chat_template(member: Member) -> bool:
     """Whether ``member`` renders chat prompts with its own template (else the fallback transcript)."""
-    return bool(member.chat_template or getattr(member.tokenizer, "chat_template", None))
+    return bool(_chat_template(member))
 
 
-def prior_weights(members: Sequence[Member], template_penalty: float = 0.25) -> list[float]:
-    """Weights from what is known before decoding: body size, times ``template_penalty`` without a chat template."""
-    raw = [body_parameters(m) * (1.0 if has_chat_template(m) else template_penalty) for m in members]
+def fallback_formats(member: Member, tools: bool = False) -> int:
+    """How many of a request's formats ``member`` reads through the library's fallback, not its own template.
+
+    The chat (no chat template: the fallback transcript) and, when the request offers tools
+    (``tools``), the tools (a template that does not render them: the definitions and the call
+    format go into the system prompt as instructions, :func:`~ensemble_core.constraints.structured.
+    tool_instructions`). Either is a format the member was not trained on; the prior multiplies
+    its weight by ``template_penalty`` once per such format.
+    """
+    return int(not has_chat_template(member)) + int(tools and not template_supports_tools(_chat_template(member)))
+
+
+def prior_weights(members: Sequence[Member], template_penalty: float = 0.25, tools: bool = False) -> list[float]:
+    """Weights from what is known before decoding: body size, times ``template_penalty`` per format the
+    member reads through a fallback (:func:`fallback_formats`: the chat, and the tools when ``tools``)."""
+    raw = [body_parameters(m) * template_penalty ** fallback_formats(m, tools) for m in members]
     total = sum(raw)
     return [r / total for r in raw]
+
+
+def offers_tools(config: Any) -> bool:
+    """Whether a request under ``config`` offers its members tools (any tool choice but ``"none"``)."""
+    structured = getattr(config, "structured", None)
+    return bool(structured is not None and structured.tools and structured.choice != "none")
 
 
 # ============================================================================ a request's weights
@@ -148,7 +178,7 @@ def member_weights(members: Sequence[Member], config: Any) -> Weights:
         return Weights(tuple(values.tolist()), "reliability_weights")  # type: ignore[union-attr]
     if reliability_mode(config) == "none":
         return Weights(tuple(1.0 / len(members) for _ in members), "none")
-    return Weights(tuple(prior_weights(members, config.template_penalty)), "prior")
+    return Weights(tuple(prior_weights(members, config.template_penalty, offers_tools(config))), "prior")
 
 
 @dataclass
