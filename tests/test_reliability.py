@@ -1,8 +1,9 @@
 """Reliability weights (``ensemble_core.methods.reliability``): a weak member must not drag the answers.
 
 * Pure pieces: body sizes read off the bundled models' configs, the prior (size, a quarter
-  without a chat template, a quarter more on a request with tools for a template without them), which weights win (``fusion_weights`` > ``reliability_weights`` >
-  the prior > ``"none"``), the option checks, Hedge with a zero weight, calibration's rule,
+  without a chat template, a quarter more on a request with tools for a template without
+  them), which weights win (``fusion_weights`` > ``reliability_weights`` > the prior >
+  ``"none"``), the option checks, Hedge with a zero weight, calibration's rule,
   the wins a decision gives.
 * Every method on tiny members (real tokenizers, random weights): the weights reach the
   fusion / Hedge / the judges, and the stats report each member's weight and wins;
