@@ -6,7 +6,10 @@ forced call, no per-step policy), on two configurations in one interleaved run (
 task, so that the machine's load hits both alike):
 
 * ``safe``: SAFE, Qwen2.5-Coder-0.5B-Instruct drafting for SmolLM2-135M-Instruct;
-* ``single``: Qwen2.5-Coder-0.5B-Instruct alone (``method="single"``).
+* ``single``: Qwen2.5-Coder-0.5B-Instruct alone (``method="single"``);
+
+and on request (``--configs``) the other methods on the same pair: ``specem``, ``every-token``,
+``generate-then-select``.
 
 The tools are real Python functions (arithmetic, lookups in dicts, string tools, unit
 conversions); each task offers three of them (the right one and two from other
@@ -43,7 +46,13 @@ QWEN, SMOL = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
 CONFIGS: dict[str, dict[str, Any]] = {
     "safe": {"members": [QWEN, SMOL], "method": "safe"},
     "single": {"members": [QWEN], "method": "single"},
+    # the other methods on the same pair, with their defaults (``--configs specem every-token ... single``)
+    "specem": {"members": [QWEN, SMOL], "method": "specem"},
+    "every-token": {"members": [QWEN, SMOL], "method": "every-token"},
+    "generate-then-select": {"members": [QWEN, SMOL], "method": "generate-then-select"},
 }
+#: What a plain run compares (docs/agents.md's main table).
+DEFAULT_CONFIGS = ("safe", "single")
 HERE = Path(__file__).resolve().parent
 
 
@@ -431,7 +440,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=list(FRAMEWORKS))
     parser.add_argument("--tasks", nargs="+", type=int, default=[t.id for t in TASKS])
     parser.add_argument("--max-tokens", type=int, default=80)
