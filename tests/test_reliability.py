@@ -10,7 +10,8 @@
   ``reliability="none"`` is the published uniform vote.
 * The benchmark's check of an ensemble against its best member, on synthetic records.
 * Two real tests: on the bundled trio the stats give Gemma-3 (no chat template) the smallest weight,
-  and on a request with tools SmolLM2 and Gemma-3 (no tool template) a quarter less again.
+  and on a request with tools (offered, or calls and results in the history) SmolLM2 and Gemma-3
+  (no tool template) a quarter less again.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from ensemble_core.methods.reliability import (
     fallback_formats,
     has_chat_template,
     member_weights,
-    offers_tools,
     prior_weights,
+    uses_tools,
 )
 from ensemble_core.methods.safe import SafeConfig, SafeEnsemble
 from ensemble_core.methods.single import SingleModel
@@ -117,14 +118,26 @@ def test_prior_weighs_a_member_down_once_per_format_it_reads_through_a_fallback(
     assert smol / gemma == pytest.approx(prior_weights(trio_stubs[:2])[0] / prior_weights(trio_stubs[:2])[1])
 
 
+#: An agent's conversation after one call and its result.
+AFTER_A_CALL = [{"role": "user", "content": "What is 6 times 7?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+
+
 @pytest.mark.parametrize("choice, penalized", [("auto", True), ("required", True), ("multiply", True), ("none", False)])
 def test_a_request_offering_tools_takes_the_tool_fallback_into_the_prior(
         trio_stubs: list[SimpleNamespace], choice: str, penalized: bool) -> None:
     pair = [trio_stubs[0], trio_stubs[2]]
     config = SafeConfig(tools=[TOOL], tool_choice=choice)
-    assert offers_tools(config) is penalized
+    assert uses_tools(config) is penalized
     assert member_weights(pair, config).values == pytest.approx(prior_weights(pair, tools=penalized))
-    assert not offers_tools(SafeConfig()) and not offers_tools(SimpleNamespace())
+    assert member_weights(pair, config, "What is 6 times 7?").values == pytest.approx(prior_weights(pair, tools=penalized))
+    # a conversation with tool calls and results involves tools whatever the tool choice (an agent's answer turn)
+    assert uses_tools(config, AFTER_A_CALL)
+    assert member_weights(pair, config, AFTER_A_CALL).values == pytest.approx(prior_weights(pair, tools=True))
+    assert not uses_tools(SafeConfig()) and not uses_tools(SimpleNamespace())
+    assert not uses_tools(SafeConfig(), AFTER_A_CALL[:1]) and not uses_tools(SafeConfig(), "6 * 7?")
     # explicit and calibrated weights are the user's: no format penalty on them
     assert member_weights(pair, SafeConfig(tools=[TOOL], fusion_weights=[1, 1])).values == (0.5, 0.5)
 
@@ -329,3 +342,6 @@ def test_on_a_request_with_tools_the_members_without_tool_templates_weigh_less(
     assert weights == pytest.approx([0.068, 0.016, 0.916], abs=2e-3)
     without = trio.generate("What is 6 times 7?", tools=[TOOL], tool_choice="none")
     assert [m["weight"] for m in without.stats["members"]] == pytest.approx([0.217, 0.051, 0.732], abs=2e-3)
+    # the answer turn after a tool's result, no tools offered: the members still read the call and the result
+    answer = trio.generate([*AFTER_A_CALL, {"role": "user", "content": "Answer in one sentence."}])
+    assert [m["weight"] for m in answer.stats["members"]] == pytest.approx([0.068, 0.016, 0.916], abs=2e-3)

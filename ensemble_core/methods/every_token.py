@@ -77,7 +77,7 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         key = (config.distribution, config.top_k)
         if key not in self._fusions:
             self._fusions[key] = make_distribution(config.distribution, self.members, config.top_k)
-        weights = member_weights(self.members, config)  # fusion_weights, reliability_weights, the prior or uniform
+        weights = member_weights(self.members, config, prompt)  # fusion_weights, reliability_weights, the prior or uniform
         return _EveryTokenRequest(start_views(self.members, prompt, config), config, self._fusions[key],
                                   weights.tensor(), Votes.start(weights))
 

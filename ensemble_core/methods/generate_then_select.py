@@ -71,7 +71,7 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
         drafters, verifiers = resolve_roles(self.members, config)
         return _SelectRequest(start_views(self.members, prompt, config, seeded=True), config, drafters, verifiers,
                               self.stop_strings(config), use_threads(self.members, config),
-                              votes=Votes.start(member_weights(self.members, config)))
+                              votes=Votes.start(member_weights(self.members, config, prompt)))
 
 
     def step(self, request: _SelectRequest) -> Chunk:

@@ -15,8 +15,9 @@ What counts as evidence, and what it costs (the comparison is in docs/choosing.m
   config), and a member without its own chat template, which reads a chat prompt through
   the fallback transcript, weighs ``template_penalty`` (0.25) times that
   (:func:`prior_weights`). On the trio: SmolLM2 0.22, Gemma-3 0.05, Qwen 0.73. On a request
-  that offers tools, a member whose template does not render them (it reads them as
-  instructions in the system prompt) pays ``template_penalty`` once more
+  that involves tools (offers them, or answers after tool results: :func:`uses_tools`), a
+  member whose template does not render them (it reads them as instructions in the system
+  prompt, and the calls and results as plain turns) pays ``template_penalty`` once more
   (:func:`fallback_formats`): the Qwen pair 0.07 / 0.93 instead of 0.23 / 0.77. Why: in the
   agent suite (docs/agents.md) SmolLM2's vote was what turned Qwen's calls wrong where they
   differed (``element_symbol("Na")`` for "the symbol of sodium", an answer without the tool),
@@ -58,7 +59,7 @@ from ensemble_core.decoding.stats import MemberStats
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.methods.single import SingleModel
 from ensemble_core.options import reliability_mode
-from ensemble_core.text.chat import template_supports_tools
+from ensemble_core.text.chat import Prompt, has_tool_messages, normalize_messages, template_supports_tools
 from ensemble_core.text.distributions import fusion_weights
 
 #: A calibrated member keeps its vote while its accuracy is at least this share of the best's.
@@ -112,11 +113,12 @@ def has_chat_template(member: Member) -> bool:
 def fallback_formats(member: Member, tools: bool = False) -> int:
     """How many of a request's formats ``member`` reads through the library's fallback, not its own template.
 
-    The chat (no chat template: the fallback transcript) and, when the request offers tools
-    (``tools``), the tools (a template that does not render them: the definitions and the call
-    format go into the system prompt as instructions, :func:`~ensemble_core.constraints.structured.
-    tool_instructions`). Either is a format the member was not trained on; the prior multiplies
-    its weight by ``template_penalty`` once per such format.
+    The chat (no chat template: the fallback transcript) and, when the request involves tools
+    (``tools``: :func:`uses_tools`), the tools (a template that does not render them: their
+    definitions and the call format go into the system prompt as instructions,
+    :func:`~ensemble_core.constraints.structured.tool_instructions`, and the history's calls and
+    results become plain turns). Either is a format the member was not trained on; the prior
+    multiplies its weight by ``template_penalty`` once per such format.
     """
     return int(not has_chat_template(member)) + int(tools and not template_supports_tools(_chat_template(member)))
 
@@ -129,10 +131,13 @@ def prior_weights(members: Sequence[Member], template_penalty: float = 0.25, too
     return [r / total for r in raw]
 
 
-def offers_tools(config: Any) -> bool:
-    """Whether a request under ``config`` offers its members tools (any tool choice but ``"none"``)."""
+def uses_tools(config: Any, prompt: Prompt | None = None) -> bool:
+    """Whether a request involves tools: ``config`` offers them (any tool choice but ``"none"``), or
+    ``prompt``'s conversation holds tool calls or results (an agent's answer turn, tools or not)."""
     structured = getattr(config, "structured", None)
-    return bool(structured is not None and structured.tools and structured.choice != "none")
+    if structured is not None and structured.tools and structured.choice != "none":
+        return True
+    return prompt is not None and not isinstance(prompt, str) and has_tool_messages(normalize_messages(prompt))
 
 
 # ============================================================================ a request's weights
@@ -162,9 +167,10 @@ class Weights:
         return [w / total for w in sub]
 
 
-def member_weights(members: Sequence[Member], config: Any) -> Weights:
+def member_weights(members: Sequence[Member], config: Any, prompt: Prompt | None = None) -> Weights:
     """Every member's weight under ``config``: ``fusion_weights`` if given, else ``reliability_weights``,
-    else the prior (``reliability="prior"``) or uniform (``"none"``)."""
+    else the prior (``reliability="prior"``; for the request of ``prompt``: :func:`uses_tools`) or
+    uniform (``"none"``)."""
     names = [m.name for m in members]
     explicit = getattr(config, "fusion_weights", None)
     if explicit is not None:
@@ -178,7 +184,7 @@ def member_weights(members: Sequence[Member], config: Any) -> Weights:
         return Weights(tuple(values.tolist()), "reliability_weights")  # type: ignore[union-attr]
     if reliability_mode(config) == "none":
         return Weights(tuple(1.0 / len(members) for _ in members), "none")
-    return Weights(tuple(prior_weights(members, config.template_penalty, offers_tools(config))), "prior")
+    return Weights(tuple(prior_weights(members, config.template_penalty, uses_tools(config, prompt))), "prior")
 
 
 @dataclass

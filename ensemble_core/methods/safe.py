@@ -66,7 +66,7 @@ from ensemble_core.decoding.rows import window_probs
 from ensemble_core.decoding.stats import MemberStats, SafeStats
 from ensemble_core.decoding.view import MemberView, start_views
 from ensemble_core.errors import InvalidOptionError
-from ensemble_core.methods.reliability import Votes, member_weights
+from ensemble_core.methods.reliability import Votes, Weights, member_weights
 from ensemble_core.options import (
     FusionOptions,
     PromptLookupOptions,
@@ -254,12 +254,13 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         if config.drafter is not None and config.drafter >= len(self.members):
             raise InvalidOptionError("drafter", config.drafter, f"a member index in 0..{len(self.members) - 1}")
 
-    def drafter_index(self, config: SafeConfig) -> int:
-        """``config.drafter``, or (None) the member with the largest reliability weight (the first on a tie)."""
+    def drafter_index(self, config: SafeConfig, weights: Weights | None = None) -> int:
+        """``config.drafter``, or (None) the member with the largest reliability weight (the first on a tie;
+        ``weights``: a request's, else ``config``'s)."""
         if config.drafter is not None:
             return config.drafter
-        weights = member_weights(self.members, config).values
-        return max(range(len(weights)), key=lambda i: (weights[i], -i))
+        values = (weights or member_weights(self.members, config)).values
+        return max(range(len(values)), key=lambda i: (values[i], -i))
 
     @property
     def primary(self) -> Member:
@@ -280,8 +281,8 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
     def begin(self, prompt: Prompt, config: SafeConfig) -> SafeRequest:
         self._check_drafter(config)
         fusion = self.fusion(config.distribution, config.top_k)
-        weights = member_weights(self.members, config)  # fusion_weights, reliability_weights, the prior or uniform
-        drafter = self.drafter_index(config)
+        weights = member_weights(self.members, config, prompt)  # fusion_weights, reliability_weights, the prior or uniform
+        drafter = self.drafter_index(config, weights)
         lookup, confidence = drafting_levers(config, self.members[drafter].device)
         return SafeRequest(config, start_views(self.members, prompt, config), drafter, fusion, weights.tensor(),
                            Votes.start(weights), lookup=lookup, confidence=confidence)

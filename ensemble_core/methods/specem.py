@@ -185,7 +185,7 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
     def begin(self, prompt: Prompt, config: SpecEMConfig) -> SpecEMRequest:
         drafters, verifiers = resolve_roles(self.members, config)
         views = start_views(self.members, prompt, config, seeded=True)
-        weights = member_weights(self.members, config)  # Hedge starts from the prior (uniform: reliability="none")
+        weights = member_weights(self.members, config, prompt)  # Hedge starts from the prior (uniform: reliability="none")
         return SpecEMRequest(views, config, drafters, verifiers, weights.of(verifiers), self.stop_strings(config),
                              use_threads(self.members, config), wins=[0] * len(self.members), votes=Votes.start(weights))
 
