@@ -249,10 +249,10 @@ class ReliabilityOptions:
     ``reliability``: ``"prior"`` (default): each member weighs in proportion to its body
     size (parameters outside the embeddings and the output head), and a member without its
     own chat template, which answers a chat prompt through the fallback transcript, weighs
-    ``template_penalty`` times that (on a request with tools, a member whose template does not
-    render them: ``template_penalty`` once more); SpecEM's Hedge starts from these weights and goes on
-    learning from verification. ``"none"``: every member weighs the same, as published (the
-    default under ``published=True``).
+    ``template_penalty`` times that (on a request involving tools, offered or in the history, a
+    member whose template does not render them: ``template_penalty`` once more); SpecEM's
+    Hedge starts from these weights and goes on learning from verification. ``"none"``: every
+    member weighs the same, as published (the default under ``published=True``).
     ``reliability_weights``: per-member weights measured on the user's own questions
     (:func:`~ensemble_core.methods.reliability.calibrate`; a list in member order or a
     ``{name: weight}`` mapping, members left out weigh 1); they replace the prior, a weight
