@@ -46,6 +46,7 @@ from ensemble_core.methods.safe import SafeConfig, SafeEnsemble
 from ensemble_core.methods.single import SingleModel
 from ensemble_core.methods.specem import SpecEMEnsemble, hedge_update
 from ensemble_core.testing import bundled_tokenizer, tiny_config
+from ensemble_core.text.chat import template_supports_tools
 
 #: The bundled models' shapes (their GGUF configs): hidden, layers, intermediate, heads, kv heads, head dim.
 SHAPES = {"smollm2-135m-instruct": (576, 30, 1536, 9, 3, 64), "gemma3-270m": (640, 18, 2048, 4, 1, 256),
@@ -54,14 +55,16 @@ NAMES = list(SHAPES)
 
 
 def stub(alias: str, template: bool | None = None) -> SimpleNamespace:
-    """What the prior reads off a member: its config (the bundled model's full-size shape) and its tokenizer."""
+    """What the prior reads off a member: its config (the bundled model's full-size shape), its tokenizer and
+    whether its (real) template renders tools, as :attr:`Member.native_tools` reads it."""
     d, layers, ffn, heads, kv, head_dim = SHAPES[alias]
     tokenizer = bundled_tokenizer(alias)
     config = tiny_config(alias, tokenizer, hidden=d, layers=layers, intermediate_size=ffn, num_attention_heads=heads,
                          num_key_value_heads=kv, head_dim=head_dim)
     has = bool(tokenizer.chat_template) if template is None else template
+    text = (tokenizer.chat_template or "{{ x }}") if has else None
     return SimpleNamespace(name=alias, model=SimpleNamespace(config=config), chat_template=None,
-                           tokenizer=SimpleNamespace(chat_template=(tokenizer.chat_template or "{{ x }}") if has else None))
+                           tokenizer=SimpleNamespace(chat_template=text), native_tools=template_supports_tools(text))
 
 
 @pytest.fixture(scope="module")

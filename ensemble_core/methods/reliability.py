@@ -59,7 +59,7 @@ from ensemble_core.decoding.stats import MemberStats
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.methods.single import SingleModel
 from ensemble_core.options import reliability_mode
-from ensemble_core.text.chat import Prompt, has_tool_messages, normalize_messages, template_supports_tools
+from ensemble_core.text.chat import Prompt, has_tool_messages, normalize_messages
 from ensemble_core.text.distributions import fusion_weights
 
 #: A calibrated member keeps its vote while its accuracy is at least this share of the best's.
@@ -101,26 +101,22 @@ def body_parameters(member: Member) -> int:
     return max(1, sum(p.numel() for p in params() if id(p) not in skip))
 
 
-def _chat_template(member: Member) -> str | None:
-    return member.chat_template or getattr(member.tokenizer, "chat_template", None)
-
-
 def has_chat_template(member: Member) -> bool:
     """Whether ``member`` renders chat prompts with its own template (else the fallback transcript)."""
-    return bool(_chat_template(member))
+    return bool(member.chat_template or getattr(member.tokenizer, "chat_template", None))
 
 
 def fallback_formats(member: Member, tools: bool = False) -> int:
     """How many of a request's formats ``member`` reads through the library's fallback, not its own template.
 
     The chat (no chat template: the fallback transcript) and, when the request involves tools
-    (``tools``: :func:`uses_tools`), the tools (a template that does not render them: their
+    (``tools``: :func:`uses_tools`), the tools (``member.native_tools`` false: their
     definitions and the call format go into the system prompt as instructions,
     :func:`~ensemble_core.constraints.structured.tool_instructions`, and the history's calls and
     results become plain turns). Either is a format the member was not trained on; the prior
     multiplies its weight by ``template_penalty`` once per such format.
     """
-    return int(not has_chat_template(member)) + int(tools and not template_supports_tools(_chat_template(member)))
+    return int(not has_chat_template(member)) + int(tools and not member.native_tools)
 
 
 def prior_weights(members: Sequence[Member], template_penalty: float = 0.25, tools: bool = False) -> list[float]:
