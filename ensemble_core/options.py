@@ -136,6 +136,8 @@ def device_default(value: Any, paper: Any, measured: Mapping[str, Any], device: 
 FUSION_RULES = ("unite", "gac")
 #: How a fused distribution is sharpened before the choice.
 SHARPENINGS = ("heuristic", "geometric", "none")
+#: How UniTE scores a string that is not one of a member's tokens (:func:`sub_token_rule`).
+SUB_TOKEN_RULES = ("once", "shared")
 WEIGHTS_EXPECTED = ("None, a list with one weight >= 0 per member, or a {member name: weight} mapping "
                     "(members left out weigh 1); at least one weight > 0")
 
@@ -179,20 +181,44 @@ class FusionOptions:
     ``"geometric"`` or ``"none"`` (the published baselines do not sharpen; SAFE's default
     is ``"heuristic"``). ``fusion_weights``: per-member weights of the fused distribution
     (None: uniform, as published; a list in member order or a ``{name: weight}`` mapping,
-    members left out weigh 1).
+    members left out weigh 1). ``sub_tokens``: how UniTE scores a candidate string that is not
+    one of a member's tokens, by the member's probability of the first token of its own
+    encoding of the string: ``"shared"`` (published) gives that probability to every such
+    string as well as to the token itself, ``"once"`` to one candidate only (the token's own
+    text when it is a candidate, else the shortest such string); None: ``"once"``, ``"shared"``
+    under ``published=True`` (:func:`sub_token_rule`).
     """
 
     distribution: str = "unite"
     top_k: int = 10
     sharpening: str = "none"
     fusion_weights: Any = None
+    sub_tokens: str | None = None
 
     def __post_init__(self) -> None:
         next_post_init(FusionOptions, self)
         check_choice("distribution", self.distribution, FUSION_RULES)
         check_int("top_k", self.top_k, 1)
         check_choice("sharpening", self.sharpening, SHARPENINGS)
+        if self.sub_tokens is not None:  # None: the default, resolved per request (sub_token_rule)
+            check_choice("sub_tokens", self.sub_tokens, SUB_TOKEN_RULES)
         object.__setattr__(self, "fusion_weights", normalize_weight_option(self.fusion_weights))
+
+
+def sub_token_rule(config: Any) -> str:
+    """``config``'s ``sub_tokens``, or when left at None the default: ``"shared"`` (the published UniTE
+    scoring) under ``published=True``, ``"once"`` otherwise.
+
+    Why ``"once"``: under the published rule a member's probability of a token also counts, whole, for
+    every longer string that starts with it, so a string the member never meant ties with its own token
+    and another member's vote appends it (measured in an agent: Qwen's 0.999 for ``ency`` went to
+    SmolLM2's ``encycl`` too, SmolLM2 broke the tie, and Qwen wrote ``encyclod``; docs/agents.md).
+    Resolved where it is read, as :func:`reliability_mode` is.
+    """
+    rule = getattr(config, "sub_tokens", None)
+    if rule is None:
+        return "shared" if getattr(config, "published", False) else "once"
+    return str(rule)
 
 
 # ----------------------------------------------------------------------------- prompt lookup

@@ -104,6 +104,53 @@ def test_unite_counts_a_missing_string_by_its_first_token(tiny_llama: Member, ti
     assert c.drafter_top.tolist() == [k in (b" Inc", b" wrong") for k in c.keys]
 
 
+def test_unite_once_counts_a_token_for_one_candidate_only(tiny_qwen: Member, tiny_llama: Member) -> None:
+    """The agent-suite case (every-token, rewriting ``count_letters("encyclopedia")``): Qwen is sure of its
+    token ``ency``, SmolLM2 writes ``encycl``, which Qwen has no token for (Qwen: ``ency`` + ``cl``). The
+    published rule gives Qwen's 0.999 to ``encycl`` too, SmolLM2 breaks the tie and the longer string is
+    appended (Qwen then wrote ``encyclod``); ``once`` keeps Qwen's mass on its own token."""
+    qwen = dist(tiny_qwen, {one_id(tiny_qwen, "ency"): 0.999})
+    smol = dist(tiny_llama, {one_id(tiny_llama, "encycl"): 0.13, one_id(tiny_llama, "ency"): 0.01})
+    shared = UniTE([tiny_qwen, tiny_llama], top_k=2).fuse([qwen, smol])
+    assert prob_of(shared, 0, b"encycl") == pytest.approx(0.999)  # Qwen's first sub-token, counted again
+    assert shared.keys[int(torch.argmax(shared.fused))] == b"encycl" and not shared.exclusive
+    once = make_distribution("unite", [tiny_qwen, tiny_llama], top_k=2, sub_tokens="once").fuse([qwen, smol])
+    assert prob_of(once, 0, b"ency") == pytest.approx(0.999) and prob_of(once, 0, b"encycl") == 0.0
+    assert prob_of(once, 1, b"encycl") == pytest.approx(0.13)  # SmolLM2's own tokens are untouched
+    assert once.keys[int(torch.argmax(once.fused))] == b"ency" and once.exclusive
+    # a string whose first sub-token is not itself a candidate still gets that token's mass
+    gemma_like = dist(tiny_llama, {one_id(tiny_llama, " wrong"): 0.9})
+    qwen_incorrect = dist(tiny_qwen, {one_id(tiny_qwen, " Incorrect"): 0.8})
+    c = UniTE([tiny_llama, tiny_qwen], top_k=1, sub_tokens="once").fuse([gemma_like, qwen_incorrect])
+    assert c.keys == (b" wrong", b" Incorrect")
+    smol_inc = float(gemma_like[one_id(tiny_llama, " Inc")])  # SmolLM2: " Inc" + "orrect"
+    assert prob_of(c, 0, b" Incorrect") == pytest.approx(smol_inc)
+
+
+def test_one_candidate_per_token_prefers_the_exact_token_then_the_shortest_string() -> None:
+    from ensemble_core.text.distributions import one_candidate_per_token
+
+    # (candidate, first token): candidates 0 and 2 share token 7, candidate 1 starts with token 5, held exactly
+    firsts = [(0, 7), (1, 5), (2, 7), (3, 9)]
+    assert one_candidate_per_token(firsts, taken={5}, lengths=[6, 4, 5, 3]) == [(2, 7), (3, 9)]
+    assert one_candidate_per_token(firsts, taken=set(), lengths=[5, 4, 5, 3]) == [(0, 7), (1, 5), (3, 9)]  # tie: earliest
+    assert one_candidate_per_token([], taken={1}, lengths=[]) == []
+
+
+def test_sub_tokens_option_defaults_and_checks() -> None:
+    from ensemble_core.methods.every_token import EveryTokenConfig
+    from ensemble_core.methods.safe import SafeConfig
+    from ensemble_core.options import sub_token_rule
+
+    assert sub_token_rule(SafeConfig()) == "once" and sub_token_rule(EveryTokenConfig()) == "once"
+    assert sub_token_rule(SafeConfig(published=True)) == "shared"
+    assert sub_token_rule(EveryTokenConfig(published=True, sub_tokens="once")) == "once"  # given wins
+    with pytest.raises(InvalidOptionError, match="sub_tokens"):
+        SafeConfig(sub_tokens="first")
+    with pytest.raises(InvalidOptionError, match="sub_tokens"):
+        make_distribution("unite", [], sub_tokens="both")
+
+
 @pytest.mark.parametrize("rule", [UniTE, GaC])
 def test_fusion_weights_let_a_strong_member_outvote_two_weak_ones(tiny_llama: Member, tiny_gemma: Member,
                                                                  rule: type) -> None:

@@ -444,6 +444,9 @@ def test_call_openers_in_any_spelling_are_one_decision_at_an_ensemble_point() ->
     assert merged.keys == (b"The", b"{", b"D", EndOfText())  # the most favoured spelling carries the call
     assert merged.member_probs[0, 1].item() == pytest.approx(0.34)  # {" + {\n; "{" is their prefix: not added
     assert merged.fused[1].item() == pytest.approx(0.77 * 0.34) and merged.fused.argmax().item() == 1
+    # UniTE's sub_tokens="once" (the default): each token backs one candidate, so every spelling adds
+    exclusive = Candidates(keys, member_probs, fused, torch.ones(len(keys), dtype=torch.bool), weights, exclusive=True)
+    assert p.merged_call_openers(exclusive).member_probs[0, 1].item() == pytest.approx(0.64)
     assert p.calls.call_openers("Sure, ", plain) == []  # mid-line: "{" is not a call opener
     assert p.calls.call_openers("Sure.\n", plain) == [0, 2, 3]  # a new line: it is
     assert pipeline(SMOL, forbid=True).calls.call_openers("", plain) == []  # "none": nothing to merge

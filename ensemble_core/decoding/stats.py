@@ -89,9 +89,11 @@ class RequestStats(Mapping[str, Any]):
 
 @dataclass(eq=False)
 class TokenLevelStats(RequestStats):
-    """Token-level ensembles: how many committed tokens an ensemble decision produced."""
+    """Token-level ensembles: how many committed tokens an ensemble decision produced; the fusion rule
+    (``sub_tokens``: UniTE's scoring of a string that is not one of a member's tokens, "" for GaC)."""
 
     distribution: str = "unite"
+    sub_tokens: str = ""
     ensembled: int = 0
     e_t: float = 0.0
 

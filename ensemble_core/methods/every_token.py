@@ -16,7 +16,7 @@ from ensemble_core.decoding.rows import next_row
 from ensemble_core.decoding.stats import MemberStats, TokenLevelStats
 from ensemble_core.decoding.view import MemberView, start_views
 from ensemble_core.methods.reliability import Votes, member_weights
-from ensemble_core.options import FusionOptions, ReliabilityOptions, check_int
+from ensemble_core.options import FusionOptions, ReliabilityOptions, check_int, sub_token_rule
 from ensemble_core.text.alignment import DEFAULT_MARGIN
 from ensemble_core.text.chat import Prompt
 from ensemble_core.text.distributions import (
@@ -71,12 +71,12 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
 
     def __init__(self, members: Any, config: EveryTokenConfig | None = None, **options: Any) -> None:
         super().__init__(members, config, **options)
-        self._fusions: dict[tuple[str, int], Distribution] = {}
+        self._fusions: dict[tuple[str, int, str], Distribution] = {}
 
     def begin(self, prompt: Prompt, config: EveryTokenConfig) -> _EveryTokenRequest:
-        key = (config.distribution, config.top_k)
+        key = (config.distribution, config.top_k, sub_token_rule(config))
         if key not in self._fusions:
-            self._fusions[key] = make_distribution(config.distribution, self.members, config.top_k)
+            self._fusions[key] = make_distribution(config.distribution, self.members, config.top_k, key[2])
         weights = member_weights(self.members, config, prompt)  # fusion_weights, reliability_weights, the prior or uniform
         return _EveryTokenRequest(start_views(self.members, prompt, config), config, self._fusions[key],
                                   weights.tensor(), Votes.start(weights))
@@ -122,7 +122,8 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         return TokenLevelStats(
             method=self.name, tokens=tokens, rounds=request.ensembled,
             members=self._members_stats(request), reliability=request.votes.source if request.votes else None,
-            distribution=request.config.distribution, ensembled=tokens,
+            distribution=request.config.distribution, sub_tokens=getattr(request.fusion, "sub_tokens", ""),
+            ensembled=tokens,
         )
 
     @staticmethod

@@ -74,6 +74,7 @@ from ensemble_core.options import (
     check_int,
     check_number,
     device_default,
+    sub_token_rule,
 )
 from ensemble_core.text.alignment import (
     DECODE_CONTEXT,
@@ -248,7 +249,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
     def __init__(self, members: Any, config: SafeConfig | None = None, **options: Any) -> None:
         super().__init__(members, config, **options)
         self._check_drafter(self.config)
-        self._fusions: dict[tuple[str, int], Distribution] = {}
+        self._fusions: dict[tuple[str, int, str], Distribution] = {}
 
     def _check_drafter(self, config: SafeConfig) -> None:
         if config.drafter is not None and config.drafter >= len(self.members):
@@ -270,17 +271,17 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
     def prompt_tokens(self, request: SafeRequest) -> int:
         return request.views[request.drafter].state.prompt_len
 
-    def fusion(self, name: str, top_k: int) -> Distribution:
+    def fusion(self, name: str, top_k: int, sub_tokens: str = "shared") -> Distribution:
         """The fusion rule (kept per method: its token tables and union vocabulary are reused)."""
-        key = (name, top_k)
+        key = (name, top_k, sub_tokens)
         if key not in self._fusions:
-            self._fusions[key] = make_distribution(name, self.members, top_k)
+            self._fusions[key] = make_distribution(name, self.members, top_k, sub_tokens)
         return self._fusions[key]
 
     # ------------------------------------------------------------------ request
     def begin(self, prompt: Prompt, config: SafeConfig) -> SafeRequest:
         self._check_drafter(config)
-        fusion = self.fusion(config.distribution, config.top_k)
+        fusion = self.fusion(config.distribution, config.top_k, sub_token_rule(config))
         weights = member_weights(self.members, config, prompt)  # fusion_weights, reliability_weights, the prior or uniform
         drafter = self.drafter_index(config, weights)
         lookup, confidence = drafting_levers(config, self.members[drafter].device)
@@ -536,7 +537,8 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         return dataclasses.replace(
             request.counters, method=self.name, tokens=len(request.views[request.drafter].tokens),
             members=self._members_stats(request), reliability=request.votes.source if request.votes else None,
-            distribution=request.config.distribution, drafter=request.views[request.drafter].member.name,
+            distribution=request.config.distribution, sub_tokens=getattr(request.fusion, "sub_tokens", ""),
+            drafter=request.views[request.drafter].member.name,
             sharpening=request.config.sharpening, prompt_lookup=request.lookup, draft_confidence=request.confidence,
         )
 

@@ -9,8 +9,12 @@ member's probability and the average.
 * :class:`UniTE` (top-k union, ICLR 2025): each member's top-k strings are united; a
   member's probability of a string outside its own top-k is the probability of the token
   with exactly that text when it has one, else of the first token of its own encoding of
-  the string. Probabilities are full-vocabulary (no re-normalisation over the union), so
-  over identical tokenizers the fused value is the plain average.
+  the string. The published rule (``sub_tokens="shared"``) gives that first token's
+  probability, whole, to every such string as well as to the token itself, so a longer
+  string the member never meant ties with its own token; ``"once"`` (the library's default)
+  counts each of a member's tokens for one candidate only. Probabilities are
+  full-vocabulary (no re-normalisation over the union), so over identical tokenizers the
+  fused value is the plain average.
 * :class:`GaC` (union vocabulary, EMNLP Findings 2024): every member's whole vocabulary is
   mapped once onto the union of normalised token texts (``Ġ``/``▁`` → space, ``Ċ`` →
   newline, ``<0xNN>`` → that byte); a member's union distribution is a scatter-add of its
@@ -50,7 +54,15 @@ from typing import Any, ClassVar, Union
 import torch
 
 from ensemble_core.errors import InvalidOptionError
-from ensemble_core.options import FUSION_RULES, SHARPENINGS, WEIGHTS_EXPECTED, check_choice, check_int, normalize_weight_option
+from ensemble_core.options import (
+    FUSION_RULES,
+    SHARPENINGS,
+    SUB_TOKEN_RULES,
+    WEIGHTS_EXPECTED,
+    check_choice,
+    check_int,
+    normalize_weight_option,
+)
 from ensemble_core.transfer import to_device
 
 
@@ -236,7 +248,9 @@ class Candidates:
 
     ``member_probs[m, c]`` is member ``m``'s probability of candidate ``c``; ``fused`` their
     average (weighted by ``weights`` when given); ``drafter_top[c]`` whether ``c`` is among the drafter's own top-k (the prefix
-    merge lifts only those). Earlier candidates win ties (the drafter's come first).
+    merge lifts only those). Earlier candidates win ties (the drafter's come first). ``exclusive``: each of a
+    member's tokens backs one candidate at most (UniTE's ``sub_tokens="once"``), so a member's
+    probabilities of different candidates are disjoint events.
     """
 
     keys: tuple[Key, ...]
@@ -244,6 +258,7 @@ class Candidates:
     fused: torch.Tensor
     drafter_top: torch.Tensor
     weights: torch.Tensor | None = None  # per member, summing to 1; None: uniform
+    exclusive: bool = False
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -260,13 +275,14 @@ class Candidates:
             return None
         at = torch.tensor(idx, dtype=torch.long)
         return Candidates(tuple(self.keys[i] for i in idx), self.member_probs[:, at], self.fused[at],
-                          self.drafter_top[at], self.weights)
+                          self.drafter_top[at], self.weights, self.exclusive)
 
     def merged(self, group: Sequence[int]) -> Candidates:
         """The candidates of ``group`` taken as one decision spelled several ways (a tool call opened as
         ``<tool_call>``, ``{"`` or ``{`` and a newline): each member's probability of the decision is the
-        sum over the spellings (different first tokens are disjoint events; a spelling that is a prefix
-        of another in the group is left out, so that no mass counts twice), carried by the spelling the
+        sum over the spellings (different first tokens are disjoint events; unless the candidates are
+        ``exclusive``, a spelling that is a prefix of another in the group is left out, since the longer
+        one may carry the same token's probability, so that no mass counts twice), carried by the spelling the
         members favour most; the other spellings drop out. Why: without it the votes for one decision
         split over its spellings and a second choice outvotes it (measured: Qwen2.5-Coder gave a call
         0.34 over two spellings and "The" 0.20; the fused 0.20 / 0.06 lost to "The" at 0.22).
@@ -277,9 +293,10 @@ class Candidates:
         lead = int(at[int(self.fused[at].argmax())])
         member_probs = self.member_probs.clone()
         texts = {i: self.keys[i] for i in group}
-        maximal = [i for i, t in texts.items()
-                   if not any(j != i and isinstance(o, bytes) and isinstance(t, bytes) and o.startswith(t)
-                              for j, o in texts.items())]
+        maximal = list(texts) if self.exclusive else [
+            i for i, t in texts.items()
+            if not any(j != i and isinstance(o, bytes) and isinstance(t, bytes) and o.startswith(t)
+                       for j, o in texts.items())]
         member_probs[:, lead] = self.member_probs[:, maximal].sum(dim=1).clamp(max=1.0)
         weights = self.weights if self.weights is not None else torch.full(
             (member_probs.shape[0],), 1.0 / member_probs.shape[0])
@@ -288,7 +305,7 @@ class Candidates:
         drop = set(group) - {lead}
         keep = torch.tensor([i for i in range(len(self.keys)) if i not in drop], dtype=torch.long)
         return Candidates(tuple(self.keys[i] for i in keep.tolist()), member_probs[:, keep], fused[keep],
-                          self.drafter_top[keep], self.weights)
+                          self.drafter_top[keep], self.weights, self.exclusive)
 
     def reweighted(self, factors: torch.Tensor) -> Candidates:
         """The same candidates with ``fused`` scaled by ``factors`` (a penalty on some of them).
@@ -297,7 +314,7 @@ class Candidates:
         :func:`sharpen` sees how sure the members still are about the rest.
         """
         return Candidates(self.keys, self.member_probs, self.fused * factors.to(self.fused.dtype), self.drafter_top,
-                          self.weights)
+                          self.weights, self.exclusive)
 
 
 def grammar_allows(grammar: Any, prefix: str, key: Key) -> bool:
@@ -416,9 +433,17 @@ def _gather_candidates(tops: Sequence[Sequence[Key]], order: Sequence[int],
 
 
 class UniTE(Distribution):
-    """Top-k union: candidates are the members' top-k strings (see the module docstring)."""
+    """Top-k union: candidates are the members' top-k strings (see the module docstring).
+
+    ``sub_tokens``: ``"shared"`` (published) or ``"once"``, how a member scores a string that is not one
+    of its tokens (:func:`one_candidate_per_token`; ``ensemble_core.options.sub_token_rule`` says why).
+    """
 
     name = "unite"
+
+    def __init__(self, members: Sequence[Any], top_k: int = 10, sub_tokens: str = "shared") -> None:
+        super().__init__(members, top_k)
+        self.sub_tokens = check_choice("sub_tokens", sub_tokens, SUB_TOKEN_RULES)
 
     def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
              prefixes: Sequence[bytes] | None = None, weights: torch.Tensor | None = None) -> Candidates:
@@ -434,14 +459,16 @@ class UniTE(Distribution):
                     top.append(key)
             tops.append(top)
         keys, drafter_top = _gather_candidates(tops, order, drafter)
-        member_probs = torch.stack([self._probs_of(keys, p, table, member, prefix)
+        once = self.sub_tokens == "once"
+        member_probs = torch.stack([self._probs_of(keys, p, table, member, prefix, once)
                                     for p, table, member, prefix in zip(probs, tables, self.members, prefixes)])
-        return Candidates(tuple(keys), member_probs, weighted_mean(member_probs, weights), drafter_top, weights)
+        return Candidates(tuple(keys), member_probs, weighted_mean(member_probs, weights), drafter_top, weights, once)
 
     @staticmethod
     def _probs_of(keys: Sequence[Key], p: torch.Tensor, table: TokenTable, member: Any,
-                  prefix: bytes = b"") -> torch.Tensor:
-        """A member's probability of each candidate: exact token text, else first sub-token."""
+                  prefix: bytes = b"", once: bool = False) -> torch.Tensor:
+        """A member's probability of each candidate: exact token text, else first sub-token (with ``once``,
+        a first sub-token that already backs a candidate, or a shorter one, backs no other)."""
         ids: list[int] = []
         slots: list[int] = []
         missing: list[tuple[int, bytes]] = []
@@ -455,15 +482,35 @@ class UniTE(Distribution):
         if missing:
             texts = [key.decode("utf-8") for _, key in missing]
             encoded = member.tokenizer(texts, add_special_tokens=False)["input_ids"]
-            for (c, _), first in zip(missing, encoded):
-                if first and 0 <= first[0] < table.size:
-                    ids.append(int(first[0]))
-                    slots.append(c)
+            firsts = [(c, int(first[0])) for (c, _), first in zip(missing, encoded) if first and 0 <= first[0] < table.size]
+            if once:
+                firsts = one_candidate_per_token(firsts, set(ids), [len(prefix + key) for _, key in missing])
+            for c, first in firsts:
+                ids.append(first)
+                slots.append(c)
         out = torch.zeros(len(keys))
         if ids:  # gathered where p lives; only the candidates' entries travel
             values = p[torch.tensor(ids, dtype=torch.long, device=p.device)].cpu()
             out.index_add_(0, torch.tensor(slots, dtype=torch.long), values)
         return out
+
+
+def one_candidate_per_token(firsts: Sequence[tuple[int, int]], taken: set[int],
+                            lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Of ``(candidate, first token id)`` pairs (a member's first sub-token of each candidate string that
+    is not one of its tokens, ``lengths[i]`` the byte length of pair ``i``'s string), the pairs that keep
+    the token's probability: none whose token already backs a candidate as its exact text (in ``taken``),
+    and of those sharing a token the shortest string (the earliest on a tie).
+
+    Why: the token's probability is the member's belief in that token followed by anything; the exact
+    token, or else the string closest to it, is what the member means, and a longer string that merely
+    starts with it must not tie with it (the published UniTE pitfall, ``ensemble_core.options.sub_token_rule``).
+    """
+    best: dict[int, int] = {}
+    for i, (_, token) in enumerate(firsts):
+        if token not in taken and (token not in best or lengths[i] < lengths[best[token]]):
+            best[token] = i
+    return [firsts[i] for i in sorted(best.values())]
 
 
 @dataclass(frozen=True)
@@ -605,9 +652,11 @@ DISTRIBUTIONS: dict[str, type[Distribution]] = {"unite": UniTE, "gac": GaC}
 assert tuple(DISTRIBUTIONS) == FUSION_RULES
 
 
-def make_distribution(name: str, members: Sequence[Any], top_k: int = 10) -> Distribution:
-    """The fusion rule called ``name`` (``unite`` or ``gac``) over ``members``."""
-    return DISTRIBUTIONS[check_choice("distribution", name, FUSION_RULES)](members, top_k)
+def make_distribution(name: str, members: Sequence[Any], top_k: int = 10, sub_tokens: str = "shared") -> Distribution:
+    """The fusion rule called ``name`` (``unite`` or ``gac``) over ``members`` (``sub_tokens``: UniTE's only)."""
+    if check_choice("distribution", name, FUSION_RULES) == "unite":
+        return UniTE(members, top_k, sub_tokens)
+    return DISTRIBUTIONS[name](members, top_k)
 
 
 def fusion_weights(weights: Any, names: Sequence[str]) -> torch.Tensor | None:
