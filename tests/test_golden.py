@@ -44,14 +44,14 @@ def test_prompt_lookup_keeps_the_recorded_outputs(name: str, real_pair: list[Mem
     assert got == RECORDED["cases"][name]
 
 
-#: SAFE's cases with the CPU's default drafting levers (prompt lookup 4, drafts ended below 0.5) and the
-#: published uniform votes: the levers only change how the draft is cut into passes.
+#: SAFE's cases with the CPU's default drafting levers (prompt lookup 4, drafts ended below 0.5), the
+#: published uniform votes and UniTE scoring: the levers only change how the draft is cut into passes.
 LEVER_CASES = ["safe-unite-d0", "safe-unite-d1", "safe-gac-d0"]
 
 
 @pytest.mark.parametrize("name", LEVER_CASES)
 def test_default_drafting_levers_keep_the_recorded_outputs(name: str, real_pair: list[Member]) -> None:
     _, method, idx, config = next(c for c in record.CASES if c[0] == name)
-    config = {**{k: v for k, v in config.items() if k != "published"}, "reliability": "none"}
+    config = {**{k: v for k, v in config.items() if k != "published"}, "reliability": "none", "sub_tokens": "shared"}
     got = [record.run_case(real_pair, method, idx, config, p) for p in record.PROMPTS]
     assert got == RECORDED["cases"][name]

@@ -83,10 +83,10 @@ class GenerationConfig:
     #: member answer after it, and the adapters drop it from the calls, so an agent gets an answer
     #: instead of the same call until its step limit (:mod:`ensemble_core.constraints.lazy`).
     exclude_repeated_calls: bool = True
-    #: The papers' exact settings for every option left at its default (uniform votes, one token
-    #: per drafter pass, drafts of ``lookahead`` tokens), where the defaults are otherwise the
-    #: measured-best per device (:func:`~ensemble_core.options.device_default`; docs/configuration.md
-    #: says which is which). An option given explicitly wins either way.
+    #: The papers' exact settings for every option left at its default (uniform votes, UniTE's
+    #: published scoring, one token per drafter pass, drafts of ``lookahead`` tokens), where the
+    #: defaults are otherwise the measured-best (per device: :func:`~ensemble_core.options.device_default`;
+    #: docs/configuration.md says which is which). An option given explicitly wins either way.
     published: bool = False
 
     def __post_init__(self) -> None:
