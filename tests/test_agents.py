@@ -667,9 +667,9 @@ def _suite() -> Any:
 @pytest.mark.real
 def test_real_agents_with_default_settings_subset() -> None:
     """Three tasks of the agent suite (a product, a lookup, a string tool) through LangGraph's
-    ``create_react_agent`` and LlamaIndex's ``FunctionAgent``, both with their defaults, on Qwen2.5-Coder-0.5B
-    alone, and one through each on SAFE (Qwen drafting for SmolLM2). The full suite (28 tasks, both
-    configurations) is ``docs/results/agents/agent_suite.py``; numbers in docs/agents.md.
+    ``create_react_agent``, LlamaIndex's ``FunctionAgent`` and LangChain 1.x's ``create_agent``, each with
+    its defaults, on Qwen2.5-Coder-0.5B alone, and one through each on SAFE (Qwen drafting for SmolLM2). The
+    full suite (28 tasks, three frameworks) is ``docs/results/agents/agent_suite.py``; numbers in docs/agents.md.
 
     Asserted: every call the agents received parsed and matches its tool's schema (the lazy grammar), no
     agent hit its step limit, and at least half of the runs finished (right call, the result in the answer).
@@ -677,7 +677,8 @@ def test_real_agents_with_default_settings_subset() -> None:
     suite = _suite()
     tasks = {t.id: t for t in suite.TASKS}
     plan = [("langgraph", "single", 1), ("langgraph", "single", 8), ("langgraph", "single", 19),
-            ("llamaindex", "single", 8), ("langgraph", "safe", 8), ("llamaindex", "safe", 1)]
+            ("llamaindex", "single", 8), ("langchain", "single", 19), ("langgraph", "safe", 8),
+            ("llamaindex", "safe", 1), ("langchain", "safe", 8)]
     runs = []
     for framework, config, task_id in plan:
         run = suite.FRAMEWORKS[framework](tasks[task_id], suite.CONFIGS[config], 80)
@@ -689,3 +690,34 @@ def test_real_agents_with_default_settings_subset() -> None:
     assert calls and all(c["valid"] and c["schema_ok"] for c in calls), calls
     assert all(run.stop != "limit" for run, _ in runs)
     assert sum(v["finished"] for _, v in runs) * 2 >= len(runs)
+
+
+@pytest.mark.real
+def test_real_langchain_create_agent_with_a_response_format() -> None:
+    """LangChain 1.x's ``create_agent(chat, tools, response_format=Model)`` with its defaults, on SAFE (Qwen
+    drafting for SmolLM2): the agent calls the tool, and since ChatEnsemble's profile says it supports
+    structured output natively, ``create_agent`` asks for the last turn under the model's JSON schema
+    (its ``ProviderStrategy``), which the grammar makes parse into the pydantic answer."""
+    from langchain.agents import create_agent
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_ensemble import ChatEnsemble
+    from pydantic import BaseModel, Field
+
+    class Product(BaseModel):
+        """The product of two numbers and one sentence about it."""
+
+        value: float = Field(description="the product")
+        explanation: str
+
+    def multiply(a: float, b: float) -> float:
+        """Multiply two numbers."""
+        return a * b
+
+    chat = ChatEnsemble(members=["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"], method="safe", max_tokens=80)
+    agent = create_agent(chat, [multiply], response_format=Product)
+    state = agent.invoke({"messages": [HumanMessage("What is 12 times 34?")]}, {"recursion_limit": 8})
+    calls = [c for m in state["messages"] if isinstance(m, AIMessage) for c in m.tool_calls]
+    assert calls and calls[0]["name"] == "multiply" and calls[0]["args"] == {"a": 12, "b": 34}
+    assert any(isinstance(m, ToolMessage) and m.content == "408.0" for m in state["messages"])
+    answer = state["structured_response"]
+    assert isinstance(answer, Product) and answer.value == 408 and answer.explanation

@@ -317,6 +317,43 @@ def test_langgraph_agent_finishes_when_the_member_repeats_its_call(stream: bool)
     assert kept.tool_calls and kept.tool_calls[0]["args"] == {"a": 6, "b": 7}  # switched off: the repeat is a call
 
 
+def json_repeater(prompt: str) -> str:
+    """A repeater whose answer turn writes the requested JSON value."""
+    return '{"value": 42}' if ANSWER_REQUEST in prompt else CALL
+
+
+def test_answer_turn_under_a_response_format_is_parsed_and_reaches_create_agent() -> None:
+    """With tools and a ``response_format`` (LangChain's ``create_agent(..., response_format=Model)`` binds
+    both), a turn that only repeats its call is answered in a turn of its own under the schema's grammar:
+    the settled result carries the parsed value, and the agent's ``structured_response`` is the model."""
+    from langchain.agents import create_agent
+    from pydantic import BaseModel
+
+    from ensemble_core.serving.runtime import Run, settle
+
+    class Product(BaseModel):
+        value: float
+
+    schema = {"type": "object", "properties": {"value": {"type": "number"}}, "required": ["value"]}
+    ensemble = Ensemble([scripted_member(SMOL, json_repeater, "json-repeater")], method="single")
+    history = [{"role": "user", "content": "6 times 7?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    run = Run(ensemble, history, {"tools": TOOLS, "response_format": schema, "max_new_tokens": 40})
+    for _ in run:
+        pass
+    result = settle(run)
+    assert result.structured.repeated_tool_calls and result.structured.tool_calls == []
+    assert result.text == '{"value": 42}' and result.parsed == {"value": 42} and result.structured.parse_error is None
+
+    chat = ChatEnsemble(members=[scripted_member(SMOL, json_repeater, "json-repeater-lc")], method="single", max_tokens=64)
+    state = create_agent(chat, [multiply], response_format=Product).invoke(
+        {"messages": [HumanMessage("6 times 7?")]}, {"recursion_limit": 6})
+    assert state["structured_response"] == Product(value=42)
+    assert state["messages"][-1].response_metadata["repeated_tool_calls"][0]["name"] == "multiply"
+
+
 def test_streamed_repeat_is_broken_and_the_answer_streams_as_text() -> None:
     chat = ChatEnsemble(members=[scripted_member(SMOL, repeater, "repeater-stream")], method="single", max_tokens=64)
     history = [HumanMessage("6 times 7?"), AIMessage(content="", tool_calls=[{"name": "multiply", "args": {"a": 6, "b": 7},

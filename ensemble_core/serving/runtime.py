@@ -281,13 +281,16 @@ def answer_request(run: Run) -> Run:
 
 
 def answered(first: GenerationResult, answer: GenerationResult) -> GenerationResult:
-    """One result for the two runs: the answer's text and finish, both runs' tokens and seconds, and
-    the repeated calls of the first."""
+    """One result for the two runs: the answer's text, finish and value (under a ``response_format``, the
+    answer turn decodes under the schema's grammar: its ``parsed`` / ``parse_error``), both runs' tokens
+    and seconds, and the repeated calls of the first."""
     repeated = list(first.structured.repeated_tool_calls) if first.structured is not None else []
+    value = answer.structured
     return dataclasses.replace(
         answer, prompt_tokens=first.prompt_tokens + answer.prompt_tokens,
         completion_tokens=first.completion_tokens + answer.completion_tokens, seconds=first.seconds + answer.seconds,
-        structured=StructuredOutput(answer.text, repeated_tool_calls=repeated))
+        structured=StructuredOutput(answer.text, parsed=value.parsed if value else None,
+                                    parse_error=value.parse_error if value else None, repeated_tool_calls=repeated))
 
 
 def settle(run: Run) -> GenerationResult:

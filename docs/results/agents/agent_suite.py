@@ -1,7 +1,8 @@
 """Agents with DEFAULT settings on the bundled models: 24 single-tool tasks and 4 two-step tasks (#39).
 
-Every task runs through LangGraph's ``create_react_agent(chat, tools)`` and LlamaIndex's
-``FunctionAgent(tools=..., llm=llm)``, both with their defaults (``tool_choice="auto"``, no
+Every task runs through LangGraph's ``create_react_agent(chat, tools)``, LlamaIndex's
+``FunctionAgent(tools=..., llm=llm)`` and LangChain 1.x's ``create_agent(chat, tools)``
+(``--frameworks``; all three by default), each with its defaults (``tool_choice="auto"``, no
 forced call, no per-step policy), on two configurations in one interleaved run (task by
 task, so that the machine's load hits both alike):
 
@@ -21,11 +22,11 @@ call the agent saw (valid, invalid, repeated), whether each valid call matches i
 JSON Schema, the final answer, model calls and seconds.
 
 Bounds (2 shared CPU cores): ``max_tokens`` 80 per model call; LangGraph
-``recursion_limit`` 8 (single-tool: 4 model calls) and 10 (two-step); FunctionAgent
+and LangChain ``recursion_limit`` 8 (single-tool: 4 model calls) and 10 (two-step); FunctionAgent
 ``max_iterations`` 4 and 6. Records go to ``agent_suite.jsonl`` (one line per run; a run
 resumes where it stopped), the summary to ``agent_suite.json`` and ``agent_suite.md``.
 
-    .venv/bin/python docs/results/agents/agent_suite.py [--configs safe single] [--frameworks langgraph llamaindex]
+    .venv/bin/python docs/results/agents/agent_suite.py [--configs safe single] [--frameworks langgraph llamaindex langchain]
         [--tasks 1 2 ...] [--max-tokens 80] [--out docs/results/agents/agent_suite]
 """
 
@@ -314,21 +315,33 @@ def _in_order(valid: list[tuple[str, dict[str, Any]]], expected: list[tuple[str,
 
 # ----------------------------------------------------------------------------- frameworks
 def run_langgraph(task: Task, config: dict[str, Any], max_tokens: int) -> Run:
+    """LangGraph's prebuilt ``create_react_agent(chat, tools)``."""
     import warnings
 
+    with warnings.catch_warnings():  # LangGraph 1.x: "moved to langchain.agents" (it still works)
+        warnings.simplefilter("ignore")
+        from langgraph.prebuilt import create_react_agent
+    return _run_graph("langgraph", create_react_agent, task, config, max_tokens)
+
+
+def run_langchain(task: Task, config: dict[str, Any], max_tokens: int) -> Run:
+    """LangChain 1.x's ``create_agent(chat, tools)`` (the successor of ``create_react_agent``)."""
+    from langchain.agents import create_agent
+
+    return _run_graph("langchain", create_agent, task, config, max_tokens)
+
+
+def _run_graph(framework: str, build: Callable[..., Any], task: Task, config: dict[str, Any], max_tokens: int) -> Run:
+    """One task through an agent graph ``build(chat, tools)`` whose state holds the messages."""
     from langchain_core.messages import AIMessage, HumanMessage
     from langchain_core.tools import StructuredTool
     from langchain_ensemble import ChatEnsemble
     from langgraph.errors import GraphRecursionError
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from langgraph.prebuilt import create_react_agent
-
-    run = Run("langgraph", "", task.id)
+    run = Run(framework, "", task.id)
     chat = ChatEnsemble(members=config["members"], method=config["method"], max_tokens=max_tokens)
     tools = [StructuredTool.from_function(TOOLS[n]) for n in task.toolbox()]
-    agent = create_react_agent(chat, tools)
+    agent = build(chat, tools)
     limit = 10 if task.two_step else 8
     messages: list[Any] = []
     try:
@@ -390,7 +403,7 @@ def run_llamaindex(task: Task, config: dict[str, Any], max_tokens: int) -> Run:
     return asyncio.run(_llamaindex(task, config, max_tokens))
 
 
-FRAMEWORKS = {"langgraph": run_langgraph, "llamaindex": run_llamaindex}
+FRAMEWORKS = {"langgraph": run_langgraph, "llamaindex": run_llamaindex, "langchain": run_langchain}
 
 
 # ----------------------------------------------------------------------------- summary
