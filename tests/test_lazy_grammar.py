@@ -354,6 +354,35 @@ def test_answer_turn_under_a_response_format_is_parsed_and_reaches_create_agent(
     assert state["messages"][-1].response_metadata["repeated_tool_calls"][0]["name"] == "multiply"
 
 
+def prose_then_json(prompt: str) -> str:
+    """A member that answers in prose where a JSON value was asked for, and writes it in the answer turn."""
+    return '{"value": 42}' if ANSWER_REQUEST in prompt else "6 times 7 is 42."
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_direct_answer_that_breaks_the_response_format_is_answered_again_under_it(stream: bool) -> None:
+    """Tools offered in ``auto`` and a ``response_format``: a reply that neither calls nor is a value of the
+    schema is answered in a turn of its own under the schema's grammar, streamed or not; its prose is never
+    shown (content is held back whole when a schema is asked for)."""
+    schema = {"type": "object", "properties": {"value": {"type": "number"}}, "required": ["value"]}
+    chat = ChatEnsemble(members=[scripted_member(SMOL, prose_then_json, f"prose-{stream}")], method="single",
+                        max_tokens=40)
+    bound = chat.bind_tools([multiply], response_format={"type": "json_schema", "json_schema": {"name": "P", "schema": schema}})
+    history = [HumanMessage("6 times 7?"), AIMessage(content="", tool_calls=[{"name": "multiply", "args": {"a": 6, "b": 7},
+                                                                              "id": "c1"}]),
+               ToolMessage(content="42", tool_call_id="c1")]
+    if stream:
+        chunks = list(bound.stream(history))
+        assert all("6 times 7" not in str(c.content) for c in chunks)
+        message = functools.reduce(operator.add, chunks)
+    else:
+        message = bound.invoke(history)
+    assert message.content == '{"value": 42}' and not message.tool_calls
+    direct = ChatEnsemble(members=[scripted_member(SMOL, prose_then_json, f"prose-free-{stream}")], method="single",
+                          max_tokens=40).bind_tools([multiply]).invoke(history)
+    assert direct.content == "6 times 7 is 42."  # without a response_format, prose is the answer
+
+
 def test_streamed_repeat_is_broken_and_the_answer_streams_as_text() -> None:
     chat = ChatEnsemble(members=[scripted_member(SMOL, repeater, "repeater-stream")], method="single", max_tokens=64)
     history = [HumanMessage("6 times 7?"), AIMessage(content="", tool_calls=[{"name": "multiply", "args": {"a": 6, "b": 7},

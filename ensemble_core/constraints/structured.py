@@ -340,7 +340,9 @@ class ReplyStream:
       content stops: the rest of the text arrives with the last piece (:meth:`rest`). A tail
       that may still become a trigger is held back (``Let me <tool``), as is trailing
       whitespace (the parsed content is stripped), and a reply that starts with ``{`` (it may
-      be a call, or a JSON answer).
+      be a call, or a JSON answer). With a ``response_format`` too, content is held back whole:
+      the answer must be the schema's value, and a reply that is not one is answered again in a
+      turn of its own (``ensemble_core.serving.runtime.settle_calls``), so its text is never shown.
     * At the end, :meth:`finish` reconciles the pieces with the parsed reply: a streamed call
       that parsed keeps its id in the result (so the streamed and the final message agree), one
       that did not gets :data:`~CallDelta` break text, and calls the stream did not see (a
@@ -349,8 +351,8 @@ class ReplyStream:
     Both adapters and the server stream through it.
     """
 
-    def __init__(self, forced: bool, tools: Sequence[Mapping[str, Any]] = ()) -> None:
-        self.raw, self.shown, self.holding = "", 0, forced
+    def __init__(self, forced: bool, tools: Sequence[Mapping[str, Any]] = (), hold_content: bool = False) -> None:
+        self.raw, self.shown, self.holding = "", 0, forced or hold_content
         self.tools = ToolSet(tools)
         self.calls: list[_StreamedCall] = []
         self.pos = 0
@@ -361,7 +363,7 @@ class ReplyStream:
         """The stream for a request with tools; None when every delta is text (no tools, or ``"none"``)."""
         if not request.tools or request.choice == "none":
             return None
-        return cls(forced=request.forced_call, tools=request.tools)
+        return cls(forced=request.forced_call, tools=request.tools, hold_content=request.schema is not None)
 
     @property
     def text(self) -> str:

@@ -258,14 +258,21 @@ def clear_shared() -> None:
 
 def settle_calls(result: GenerationResult, prompt: Prompt, config: GenerationConfig) -> bool:
     """Drop from ``result`` the calls that repeat an answered call (``exclude_repeated_calls``, the default,
-    ``tool_choice="auto"`` only: a forced call is what the caller asked for); True when the reply then holds
-    no call and no text, so that the answer must be asked for (:func:`settle`).
+    ``tool_choice="auto"`` only: a forced call is what the caller asked for); True when the answer must be
+    asked for in a turn of its own (:func:`settle`): the reply then holds no call and no text, or, with a
+    ``response_format`` next to the tools (LangChain's ``create_agent(..., response_format=Model)``), it
+    holds no call and is not a value of the schema. Why the second: in an ``auto`` turn the grammar guards
+    the calls, not the answer (the reply may still be a call); the answer turn decodes under the schema.
     """
-    structured = result.structured
-    if not (config.exclude_repeated_calls and config.structured.choice == "auto" and structured is not None):
+    structured, request = result.structured, config.structured
+    if not (request.choice == "auto" and request.tools and structured is not None):
         return False
-    dropped = drop_repeated_calls(structured, prompt)
-    return bool(dropped) and not structured.tool_calls and not structured.content.strip()
+    if config.exclude_repeated_calls:
+        dropped = drop_repeated_calls(structured, prompt)
+        if dropped and not structured.tool_calls and not structured.content.strip():
+            return True
+    return (request.schema is not None and not structured.tool_calls and not structured.invalid_tool_calls
+            and not structured.repeated_tool_calls and structured.parse_error is not None)
 
 
 def answer_request(run: Run) -> Run:
