@@ -1,9 +1,9 @@
 """LangChain 1.x ``create_agent(chat, tools, response_format=Answer)`` over agent-suite tasks: does the answer parse?
 
 Why: with a ``response_format``, ``create_agent`` binds the schema next to the tools on every model call
-(its ``ProviderStrategy``, since ``ChatEnsemble.profile`` says it supports structured output). A turn that
-ends in a repeated call is answered under the schema's grammar (``tool_choice="none"``); a turn that
-answers right away, tools still offered, is asked for the schema by the system prompt only. This counts
+(its ``ProviderStrategy``, since ``ChatEnsemble.profile`` says it supports structured output). In such a
+turn the grammar guards the calls; a reply that ends in a repeated call, or holds no call and is not a
+value of the schema, is answered again under the schema's grammar (``tool_choice="none"``). This counts
 how often the final answer parses and carries the tool's result. One JSON line per run on stdout:
 
     .venv/bin/python docs/results/agents/create_agent_response_format.py safe,single 1,4,8,13,18,19,21,23
