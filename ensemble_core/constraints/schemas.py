@@ -69,3 +69,16 @@ def strict_tools(specs: Sequence[Mapping[str, Any]], strict: bool | None = None)
             spec = {**spec, "function": {**function, "parameters": closed_schema(function.get("parameters") or {})}}
         out.append(dict(spec))
     return out
+
+
+def json_schema_format(schema: Mapping[str, Any], name: str | None = None, strict: bool | None = None) -> dict[str, Any]:
+    """OpenAI's ``response_format`` for a JSON Schema: ``{"type": "json_schema", "json_schema": {...}}``.
+
+    What the adapters' structured output sends to the core (LangChain's ``with_structured_output``,
+    LlamaIndex's ``structured_predict``): the schema closed (:func:`closed_schema`) unless ``strict``
+    is False, named by ``name``, else its ``title``, else ``"response"``.
+    """
+    if strict is not False:
+        schema = closed_schema(schema)
+    return {"type": "json_schema", "json_schema": {"name": str(name or schema.get("title") or "response"),
+                                                   "schema": dict(schema), "strict": strict is not False}}

@@ -37,7 +37,7 @@ from typing_extensions import is_typeddict
 
 from ensemble_core import ConfigurationError, Ensemble, GenerationResult, InvalidOptionError
 from ensemble_core.constraints.grammar import check_tools
-from ensemble_core.constraints.schemas import closed_schema, strict_tools
+from ensemble_core.constraints.schemas import json_schema_format, strict_tools
 from ensemble_core.constraints.structured import structured_request
 from ensemble_core.serving.runtime import ReplyChunk, asettle, settle
 
@@ -149,10 +149,7 @@ def json_schema_of(schema: Any, kind: str) -> dict[str, Any]:
 def response_format_for(schema: Any, kind: str, strict: bool | None) -> dict[str, Any]:
     """The core ``response_format`` of :meth:`ChatEnsemble.with_structured_output` (``method="json_schema"``)."""
     json_schema = json_schema_of(schema, kind)
-    if strict is not False:
-        json_schema = closed_schema(json_schema)
-    name = str(json_schema.get("title") or getattr(schema, "__name__", "") or "response")
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema, "strict": strict is not False}}
+    return json_schema_format(json_schema, json_schema.get("title") or getattr(schema, "__name__", None), strict)
 
 
 class ChatEnsemble(EnsembleFields, BaseChatModel):

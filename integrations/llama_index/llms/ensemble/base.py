@@ -13,8 +13,8 @@ the worker stops after the round it is in.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Dict, List, Union
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Type, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -28,14 +28,22 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, ValidationError, field_serializer
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_serializer
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.llm import (
+    LLMStructuredPredictEndEvent,
+    LLMStructuredPredictInProgressEvent,
+    LLMStructuredPredictStartEvent,
+)
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.program.utils import process_streaming_objects
+from llama_index.core.types import Model, PydanticProgramMode
 
 from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, Member
 from ensemble_core.constraints.grammar import check_tools
-from ensemble_core.constraints.schemas import strict_tools
+from ensemble_core.constraints.schemas import json_schema_format, strict_tools
 from ensemble_core.constraints.structured import reply_content
 from ensemble_core.serving.runtime import (
     Run,
@@ -51,12 +59,17 @@ from ensemble_core.text.chat import Prompt, normalize_tool_call
 from .messages import INVALID_CALL, assistant_message, extra_kwargs, raw_payload, to_core_messages
 
 if TYPE_CHECKING:
+    from llama_index.core.prompts import BasePromptTemplate
     from llama_index.core.tools.types import BaseTool
+
+dispatcher = get_dispatcher(__name__)
 
 #: Options that are EnsembleLLM fields; method_config must not set them a second time.
 LLM_OPTIONS = ("max_new_tokens", "stop", "temperature", "do_sample")
 #: LlamaIndex's usual constructor names for EnsembleLLM fields.
 FIELD_ALIASES = {"max_tokens": "max_new_tokens", "num_output": "max_new_tokens"}
+#: Program options of LlamaIndex's function-calling path that mean nothing to a schema's answer.
+PROGRAM_OPTIONS = ("tool_required", "tool_choice", "allow_parallel_tool_calls")
 #: Template tokens every prompt may add on top of what LlamaIndex counts (SmolLM2's
 #: template adds 30 with its default system prompt).
 TEMPLATE_MARGIN = 64
@@ -320,6 +333,111 @@ class EnsembleLLM(FunctionCallingLLM):
             c = normalize_tool_call(call, f"Tool call {i}")
             selections.append(ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]))
         return selections
+
+    # ------------------------------------------------------------------ structured output
+    # ``structured_predict``, ``as_structured_llm`` and FunctionAgent's ``output_cls``: with the default
+    # ``pydantic_program_mode`` the answer is the output class's JSON value, decoded under its schema (the
+    # core's ``response_format``, closed as in strict mode), as LangChain's ``with_structured_output`` does;
+    # ``pydantic_program_mode="function"`` keeps LlamaIndex's FunctionCallingProgram (a forced call of a
+    # tool named after the class). Why: wrapped in a call (``{"name": "Product", "arguments": {...}}``) the
+    # bundled members fill the fields worse (docs/agents.md, "Structured output in LlamaIndex": FunctionAgent
+    # with ``output_cls`` wrote ``"value": 12`` for "12 times 34" as a call, 408 as a value).
+    def _schema_chat(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                     llm_kwargs: Dict[str, Any] | None, prompt_args: Dict[str, Any]) -> tuple[list[ChatMessage], Dict[str, Any]]:
+        """The messages and chat options that ask for one value of ``output_cls`` under its schema's grammar."""
+        messages = self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
+        kwargs = {k: v for k, v in (llm_kwargs or {}).items() if k not in PROGRAM_OPTIONS}
+        kwargs["response_format"] = json_schema_format(output_cls.model_json_schema(), output_cls.__name__)
+        return messages, kwargs
+
+    def _schema_value(self, output_cls: Type[BaseModel], response: ChatResponse) -> BaseModel:
+        """The finished reply as an ``output_cls``; a reply the budget cut (or one the class's own validators
+        refuse) raises ``ValueError`` naming why, as LlamaIndex's programs do."""
+        text = response.message.content or ""
+        if (response.additional_kwargs or {}).get("finish_reason") == "length":
+            raise ValueError(f"The token budget cut the {output_cls.__name__} value before its JSON was complete "
+                             f"({len(text)} characters: {text[:80]!r}...). Raise max_new_tokens (or pass "
+                             "llm_kwargs={'max_tokens': ...}).")
+        try:
+            return output_cls.model_validate_json(text)
+        except ValidationError as e:
+            raise ValueError(f"The ensemble's answer is not a valid {output_cls.__name__}: {e}. It wrote: "
+                             f"{text[:200]!r}") from e
+
+    def _partials(self, output_cls: Type[BaseModel], response: ChatResponse,
+                  objects: list[Any] | None) -> Any:
+        """One streamed value: partial (a ``Flexible`` model while the JSON grows), the checked value at the end."""
+        if "finish_reason" in (response.additional_kwargs or {}):  # the last response (see _response)
+            return self._schema_value(output_cls, response)
+        return process_streaming_objects(response, output_cls, cur_objects=objects)
+
+    def _schema_mode(self) -> bool:
+        return self.pydantic_program_mode == PydanticProgramMode.DEFAULT
+
+    @dispatcher.span
+    def structured_predict(self, output_cls: Type[Model], prompt: BasePromptTemplate,
+                           llm_kwargs: Dict[str, Any] | None = None, **prompt_args: Any) -> Model:
+        """One ``output_cls`` value for the formatted prompt, decoded under its schema (see above)."""
+        if not self._schema_mode():
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
+        messages, kwargs = self._schema_chat(output_cls, prompt, llm_kwargs, prompt_args)
+        value = self._schema_value(output_cls, self.chat(messages, **kwargs))
+        dispatcher.event(LLMStructuredPredictEndEvent(output=value))
+        return value  # type: ignore[return-value]
+
+    @dispatcher.span
+    async def astructured_predict(self, output_cls: Type[Model], prompt: BasePromptTemplate,
+                                  llm_kwargs: Dict[str, Any] | None = None, **prompt_args: Any) -> Model:
+        """:meth:`structured_predict`, generated in a worker thread."""
+        if not self._schema_mode():
+            return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
+        messages, kwargs = self._schema_chat(output_cls, prompt, llm_kwargs, prompt_args)
+        value = self._schema_value(output_cls, await self.achat(messages, **kwargs))
+        dispatcher.event(LLMStructuredPredictEndEvent(output=value))
+        return value  # type: ignore[return-value]
+
+    @dispatcher.span
+    def stream_structured_predict(self, output_cls: Type[Model], prompt: BasePromptTemplate,
+                                  llm_kwargs: Dict[str, Any] | None = None, **prompt_args: Any) -> Generator[Any, None, None]:
+        """Partial values while the JSON grows (LlamaIndex's ``Flexible`` models), then the checked value."""
+        if not self._schema_mode():
+            return super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
+        messages, kwargs = self._schema_chat(output_cls, prompt, llm_kwargs, prompt_args)
+        responses = self.stream_chat(messages, **kwargs)  # bad options raise here, at the call
+
+        def gen() -> Generator[Any, None, None]:
+            value = None
+            for response in responses:
+                value = self._partials(output_cls, response, None if value is None else [value])
+                dispatcher.event(LLMStructuredPredictInProgressEvent(output=value))
+                yield value
+            dispatcher.event(LLMStructuredPredictEndEvent(output=value))
+
+        return gen()
+
+    @dispatcher.span
+    async def astream_structured_predict(self, output_cls: Type[Model], prompt: BasePromptTemplate,
+                                         llm_kwargs: Dict[str, Any] | None = None,
+                                         **prompt_args: Any) -> AsyncGenerator[Any, None]:
+        """:meth:`stream_structured_predict`, generated in a worker thread."""
+        if not self._schema_mode():
+            return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
+        messages, kwargs = self._schema_chat(output_cls, prompt, llm_kwargs, prompt_args)
+        responses = await self.astream_chat(messages, **kwargs)
+
+        async def gen() -> AsyncGenerator[Any, None]:
+            value = None
+            async for response in responses:
+                value = self._partials(output_cls, response, None if value is None else [value])
+                dispatcher.event(LLMStructuredPredictInProgressEvent(output=value))
+                yield value
+            dispatcher.event(LLMStructuredPredictEndEvent(output=value))
+
+        return gen()
 
     # ------------------------------------------------------------------ LlamaIndex API
     @llm_chat_callback()
