@@ -354,6 +354,36 @@ def test_answer_turn_under_a_response_format_is_parsed_and_reaches_create_agent(
     assert state["messages"][-1].response_metadata["repeated_tool_calls"][0]["name"] == "multiply"
 
 
+def prose_then_repeat(prompt: str) -> str:
+    """A member that announces its call in prose, repeats the answered call, and writes JSON when asked."""
+    return '{"value": 42}' if ANSWER_REQUEST in prompt else "Let me check that again.\n" + CALL
+
+
+def test_prose_before_a_repeated_call_is_answered_again_under_a_response_format() -> None:
+    """The repeated call is dropped and the text before it is all that is left: under a ``response_format``
+    that text is not the schema's value, so the answer is asked for under the grammar; without one, the text
+    is the answer (as before)."""
+    from ensemble_core.constraints.structured import reply_content
+    from ensemble_core.serving.runtime import Run, settle
+
+    schema = {"type": "object", "properties": {"value": {"type": "number"}}, "required": ["value"]}
+    history = [{"role": "user", "content": "6 times 7?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    for response_format, text in [(schema, '{"value": 42}'), (None, "Let me check that again.")]:
+        ensemble = Ensemble([scripted_member(SMOL, prose_then_repeat, f"prose-repeat-{bool(response_format)}")],
+                            method="single")
+        run = Run(ensemble, history, {"tools": TOOLS, "response_format": response_format, "max_new_tokens": 60})
+        for _ in run:
+            pass
+        result = settle(run)
+        assert result.structured.repeated_tool_calls and not result.structured.tool_calls
+        assert reply_content(result.text, result.structured).strip() == text  # the message's text
+        if response_format:
+            assert result.parsed == {"value": 42} and result.structured.parse_error is None
+
+
 def prose_then_json(prompt: str) -> str:
     """A member that answers in prose where a JSON value was asked for, and writes it in the answer turn."""
     return '{"value": 42}' if ANSWER_REQUEST in prompt else "6 times 7 is 42."

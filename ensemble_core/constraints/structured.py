@@ -249,11 +249,11 @@ def parse_output(text: str, request: StructuredRequest, parser: ToolCallParser |
             return StructuredOutput(found.content, list(found.calls),
                                     invalid_tool_calls=[c.as_dict() for c in found.invalid])
     if request.schema is not None:
-        return _value(text, request.schema)
+        return read_value(text, request.schema)
     return StructuredOutput(text)
 
 
-def _value(text: str, schema: Mapping[str, Any]) -> StructuredOutput:
+def read_value(text: str, schema: Mapping[str, Any]) -> StructuredOutput:
     """A response-format reply: its JSON value, and why it is not a valid one (not JSON, or breaks the schema)."""
     try:
         value = json.loads(text)

@@ -41,7 +41,7 @@ from contextlib import aclosing
 from typing import Any
 
 from ensemble_core.constraints.lazy import ANSWER_REQUEST, drop_repeated_calls
-from ensemble_core.constraints.structured import CallDelta, ReplyStream, StructuredOutput
+from ensemble_core.constraints.structured import CallDelta, ReplyStream, StructuredOutput, read_value
 from ensemble_core.decoding.generation import GenerationConfig, GenerationResult
 from ensemble_core.decoding.members import Member
 from ensemble_core.ensemble import Ensemble
@@ -259,7 +259,8 @@ def clear_shared() -> None:
 def settle_calls(result: GenerationResult, prompt: Prompt, config: GenerationConfig) -> bool:
     """Drop from ``result`` the calls that repeat an answered call (``exclude_repeated_calls``, the default,
     ``tool_choice="auto"`` only: a forced call is what the caller asked for); True when the answer must be
-    asked for in a turn of its own (:func:`settle`): the reply then holds no call and no text, or, with a
+    asked for in a turn of its own (:func:`settle`): the reply then holds no call and no text (or, under a
+    schema, only text that is not its value, written before the repeated call), or, with a
     ``response_format`` next to the tools (LangChain's ``create_agent(..., response_format=Model)``), it
     holds no call and is not a value of the schema. Why the second: in an ``auto`` turn the grammar guards
     the calls, not the answer (the reply may still be a call); the answer turn decodes under the schema.
@@ -269,8 +270,9 @@ def settle_calls(result: GenerationResult, prompt: Prompt, config: GenerationCon
         return False
     if config.exclude_repeated_calls:
         dropped = drop_repeated_calls(structured, prompt)
-        if dropped and not structured.tool_calls and not structured.content.strip():
-            return True
+        if dropped and not structured.tool_calls and (not structured.content.strip() or (
+                request.schema is not None and read_value(structured.content.strip(), request.schema).parse_error)):
+            return True  # nothing left, or only text before the repeat where a schema's value was asked for
     return (request.schema is not None and not structured.tool_calls and not structured.invalid_tool_calls
             and not structured.repeated_tool_calls and structured.parse_error is not None)
 
