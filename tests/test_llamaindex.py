@@ -235,14 +235,93 @@ def test_tool_calls_come_back_as_blocks_and_round_trip(tiny_llm: EnsembleLLM) ->
         tiny_llm.get_tool_calls_from_response(text)
 
 
+class _Events:
+    """LlamaIndex's instrumentation, listened to: what each chat call was asked, which structured events fired."""
+
+    def __init__(self) -> None:
+        from llama_index.core.instrumentation import get_dispatcher
+        from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+
+        seen: list = []
+
+        class Handler(BaseEventHandler):
+            def handle(self, event, **kwargs) -> None:  # noqa: ANN001 - LlamaIndex's signature
+                seen.append(event)
+
+        self.seen, self.handler, self.dispatcher = seen, Handler(), get_dispatcher()
+
+    def __enter__(self) -> _Events:
+        self.dispatcher.add_event_handler(self.handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.dispatcher.event_handlers.remove(self.handler)
+
+    def chat_kwargs(self) -> list[dict]:
+        from llama_index.core.instrumentation.events.llm import LLMChatStartEvent
+
+        return [e.additional_kwargs for e in self.seen if isinstance(e, LLMChatStartEvent)]
+
+    def kinds(self) -> set[str]:
+        return {type(e).__name__ for e in self.seen}
+
+
 def test_structured_predict_and_structured_llm(tiny_llama: Member, tiny_gemma: Member) -> None:
+    """The default program mode decodes the value under the class's schema (no tool offered); "function" is
+    LlamaIndex's FunctionCallingProgram (a forced call of a tool named after the class); both give a Kind."""
     llm = EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", max_new_tokens=80)
-    kind = llm.structured_predict(Kind, PromptTemplate("Describe {pet}."), pet="my cat")  # FunctionCallingProgram
-    assert isinstance(kind, Kind)
-    reply = llm.as_structured_llm(Kind).chat([ChatMessage(role="user", content="my dog")])
-    assert isinstance(reply.raw, Kind) and json.loads(reply.message.content) == reply.raw.model_dump()
+    with _Events() as events:
+        kind = llm.structured_predict(Kind, PromptTemplate("Describe {pet}."), pet="my cat")
+        assert isinstance(kind, Kind)
+        asked = events.chat_kwargs()[-1]
+        assert asked["response_format"]["json_schema"]["schema"]["additionalProperties"] is False  # closed (strict)
+        assert "tools" not in asked
+        reply = llm.as_structured_llm(Kind).chat([ChatMessage(role="user", content="my dog")])
+        assert isinstance(reply.raw, Kind) and json.loads(reply.message.content) == reply.raw.model_dump()
+        assert "response_format" in events.chat_kwargs()[-1]
+        function = EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", max_new_tokens=80,
+                               pydantic_program_mode="function")
+        assert isinstance(function.structured_predict(Kind, PromptTemplate("Describe {pet}."), pet="my cat"), Kind)
+        asked = events.chat_kwargs()[-1]
+        assert asked["tools"][0]["function"]["name"] == "Kind" and "response_format" not in asked
     predicted = llm.predict_and_call(_tools(), user_msg="I have a dog.", error_on_no_tool_call=False)
     assert isinstance(predicted.response, str) and len(PETS) <= 1  # auto: the random model may or may not call
+
+
+def test_structured_streams_and_async(tiny_llama: Member) -> None:
+    """Streamed structured output: partial values while the JSON grows, the checked value last (sync and
+    async); LlamaIndex's instrumentation sees the start, progress and end events."""
+    llm = EnsembleLLM(members=[tiny_llama], method="single", max_new_tokens=80)
+    prompt = PromptTemplate("Describe {pet}.")
+    with _Events() as events:
+        parts = list(llm.stream_structured_predict(Kind, prompt, pet="my cat"))
+        assert len(parts) > 1 and isinstance(parts[-1], Kind)
+        assert not isinstance(parts[0], Kind)  # a partial (Flexible) value first
+        assert {"LLMStructuredPredictStartEvent", "LLMStructuredPredictInProgressEvent",
+                "LLMStructuredPredictEndEvent"} <= events.kinds()
+    assert parts[-1] == llm.structured_predict(Kind, prompt, pet="my cat")  # greedy: the same value
+
+    async def both() -> tuple:
+        value = await llm.astructured_predict(Kind, prompt, pet="my cat")
+        stream = await llm.astream_structured_predict(Kind, prompt, pet="my cat")
+        return value, [p async for p in stream]
+
+    value, streamed = asyncio.run(both())
+    assert value == parts[-1] and streamed[-1] == parts[-1] and len(streamed) == len(parts)
+    reply = asyncio.run(llm.as_structured_llm(Kind).achat([ChatMessage(role="user", content="my cat")]))
+    assert isinstance(reply.raw, Kind)
+
+
+def test_structured_value_cut_by_the_budget_names_the_fix(tiny_llama: Member) -> None:
+    class Long(BaseModel):
+        text: str = Field(min_length=1)
+        more: list[str]
+
+    llm = EnsembleLLM(members=[tiny_llama], method="single", max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"token budget cut the Long value.*Raise max_new_tokens"):
+        llm.structured_predict(Long, PromptTemplate("Write {what}."), what="a story")
+    with pytest.raises(ValueError, match="token budget cut"):
+        list(llm.stream_structured_predict(Long, PromptTemplate("Write {what}."), what="a story"))
 
 
 # --------------------------------------------------------------------------- real pair
