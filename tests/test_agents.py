@@ -721,3 +721,29 @@ def test_real_langchain_create_agent_with_a_response_format() -> None:
     assert any(isinstance(m, ToolMessage) and m.content == "408.0" for m in state["messages"])
     answer = state["structured_response"]
     assert isinstance(answer, Product) and answer.value == 408 and answer.explanation
+
+
+@pytest.mark.real
+async def test_real_llamaindex_function_agent_with_output_cls() -> None:
+    """LlamaIndex's ``FunctionAgent(tools, llm, output_cls=Model)`` with its defaults, on SAFE (Qwen drafting for
+    SmolLM2): the agent calls the tool, then asks ``as_structured_llm(Model)`` for the value over the
+    conversation, which ``EnsembleLLM`` decodes under the model's schema (as a call of a tool named
+    ``Product``, LlamaIndex's function program, the same members wrote ``"value": 12``)."""
+    class Product(BaseModel):
+        """The product of two numbers and one sentence about it."""
+
+        value: float = Field(description="the product")
+        explanation: str
+
+    def multiply(a: float, b: float) -> float:
+        """Multiply two numbers."""
+        return a * b
+
+    llm = EnsembleLLM(members=["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"], method="safe",
+                      max_new_tokens=80)
+    agent = FunctionAgent(tools=[FunctionTool.from_defaults(multiply)], llm=llm, output_cls=Product)
+    output = await agent.run(user_msg="What is 12 times 34?")
+    assert [(c.tool_name, c.tool_kwargs) for c in output.tool_calls] == [("multiply", {"a": 12, "b": 34})]
+    assert output.structured_response is not None, "the structured step failed (FunctionAgent only warns)"
+    answer = output.get_pydantic_model(Product)
+    assert answer.value == 408 and answer.explanation
