@@ -151,6 +151,16 @@ def test_sub_tokens_option_defaults_and_checks() -> None:
         make_distribution("unite", [], sub_tokens="both")
 
 
+@pytest.mark.parametrize("method", ["safe", "every-token"])
+def test_stats_report_the_sub_token_rule_a_request_ran_with(method: str, tiny_llama: Member, tiny_qwen: Member) -> None:
+    from ensemble_core import Ensemble
+
+    ensemble = Ensemble([tiny_llama, tiny_qwen], method=method, max_new_tokens=4)
+    assert ensemble.generate("Hi").stats["sub_tokens"] == "once"
+    assert ensemble.generate("Hi", published=True).stats["sub_tokens"] == "shared"
+    assert ensemble.generate("Hi", distribution="gac").stats["sub_tokens"] == ""  # GaC has no such choice
+
+
 @pytest.mark.parametrize("rule", [UniTE, GaC])
 def test_fusion_weights_let_a_strong_member_outvote_two_weak_ones(tiny_llama: Member, tiny_gemma: Member,
                                                                  rule: type) -> None:

@@ -122,7 +122,7 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         return TokenLevelStats(
             method=self.name, tokens=tokens, rounds=request.ensembled,
             members=self._members_stats(request), reliability=request.votes.source if request.votes else None,
-            distribution=request.config.distribution, sub_tokens=getattr(request.fusion, "sub_tokens", ""),
+            distribution=request.config.distribution, sub_tokens=request.fusion.sub_tokens,
             ensembled=tokens,
         )
 

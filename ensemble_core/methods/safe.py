@@ -116,8 +116,8 @@ class SafeConfig(GenerationConfig, FusionOptions, PromptLookupOptions, Reliabili
     drafted continuation is at least this (0 never ensembles except to finish a broken
     character; 1 ensembles wherever a verifier disagrees). ``margin``: verifier tokens
     re-encoded behind the committed boundary. The fusion at a point (``distribution``,
-    ``top_k``, ``sharpening``, default ``"heuristic"`` here, and ``fusion_weights``, which also
-    weigh the consensus average) is :class:`~ensemble_core.options.FusionOptions`; the
+    ``top_k``, ``sharpening``, default ``"heuristic"`` here, UniTE's ``sub_tokens``, and
+    ``fusion_weights``, which also weigh the consensus average) is :class:`~ensemble_core.options.FusionOptions`; the
     drafter's prompt lookup (``prompt_lookup``, ``prompt_lookup_max_requests``) is
     :class:`~ensemble_core.options.PromptLookupOptions`. How much each member's vote counts at a
     point and in the consensus average (``reliability``, default ``"prior"``: by body size, a
@@ -537,7 +537,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         return dataclasses.replace(
             request.counters, method=self.name, tokens=len(request.views[request.drafter].tokens),
             members=self._members_stats(request), reliability=request.votes.source if request.votes else None,
-            distribution=request.config.distribution, sub_tokens=getattr(request.fusion, "sub_tokens", ""),
+            distribution=request.config.distribution, sub_tokens=request.fusion.sub_tokens,
             drafter=request.views[request.drafter].member.name,
             sharpening=request.config.sharpening, prompt_lookup=request.lookup, draft_confidence=request.confidence,
         )

@@ -342,6 +342,9 @@ class Distribution(ABC):
     """
 
     name: ClassVar[str] = "distribution"
+    #: How a member scores a string that is not one of its tokens (UniTE's ``"shared"`` / ``"once"``; ""
+    #: for rules without that choice); the stats report it.
+    sub_tokens: str = ""
 
     def __init__(self, members: Sequence[Any], top_k: int = 10) -> None:
         check_int("top_k", top_k, 1)
