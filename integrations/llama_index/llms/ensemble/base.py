@@ -102,11 +102,14 @@ class EnsembleLLM(FunctionCallingLLM):
     pydantic's ``ValidationError``). Completion calls send the prompt as one user message
     through the chat path, so both behave alike.
 
-    Tools (``FunctionAgent``, ``predict_and_call``, ``structured_predict``, ``as_structured_llm``)
-    are the core's ``tools`` / ``tool_choice``: a required call (``tool_required=True``, a
-    ``tool_choice`` name) is decoded under a grammar by every member, so it always parses
-    unless ``max_new_tokens`` cuts it; with ``tool_choice="auto"`` a reply that is a JSON
-    call is a call, anything else is text. Calls come back as ``ToolCallBlock``s.
+    Tools (``FunctionAgent``, ``predict_and_call``) are the core's ``tools`` / ``tool_choice``: a
+    required call (``tool_required=True``, a ``tool_choice`` name) is decoded under a grammar by
+    every member, so it always parses unless ``max_new_tokens`` cuts it; with
+    ``tool_choice="auto"`` a call the ensemble starts is completed under its grammar, anything
+    else is text. Calls come back as ``ToolCallBlock``s. Structured output (``structured_predict``
+    and its stream / async forms, ``as_structured_llm``, ``FunctionAgent(output_cls=...)``) is
+    the output class's JSON value decoded under its schema (the core's ``response_format``);
+    ``pydantic_program_mode="function"`` takes LlamaIndex's forced-call program instead.
 
     Not the LangChain class of the same name: ``langchain_ensemble.EnsembleLLM`` is a
     LangChain ``BaseLLM`` (text completion); this one is a LlamaIndex ``LLM`` (chat and
