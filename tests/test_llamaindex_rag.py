@@ -113,3 +113,24 @@ async def test_streaming_async_query_engine(index: VectorStoreIndex, llm: Ensemb
     ends = [e for e in recorder.events if isinstance(e, LLMChatEndEvent)]
     assert len(ends) == 1 and ends[0].response.raw["stats"]["method"] == METHOD
     assert "".join(deltas) == ends[0].response.message.content != ""
+
+
+def test_query_engine_with_an_output_cls_returns_the_model(index: VectorStoreIndex, llm: EnsembleLLM,
+                                                           recorder: Recorder) -> None:
+    """``as_query_engine(output_cls=Model)``: the synthesizer asks ``structured_predict`` for the value,
+    which the ensemble decodes under the model's schema (one chat call, ``response_format`` set)."""
+    from llama_index.core.base.response.schema import PydanticResponse
+    from pydantic import BaseModel, Field
+
+    class Keeper(BaseModel):
+        """The last keeper of a lighthouse."""
+
+        name: str = Field(description="the keeper's full name")
+        until: int = Field(description="the year the keeper's service ended")
+
+    engine = index.as_query_engine(llm=llm, similarity_top_k=1, output_cls=Keeper)
+    response = engine.query(QUESTION)
+    assert isinstance(response, PydanticResponse) and isinstance(response.response, Keeper)
+    assert "Solberg" in response.response.name
+    starts = [e for e in recorder.events if isinstance(e, LLMChatStartEvent)]
+    assert len(starts) == 1 and starts[0].additional_kwargs["response_format"]["json_schema"]["name"] == "Keeper"
