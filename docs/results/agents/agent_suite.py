@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-QWEN, SMOL = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
+QWEN, SMOL, GEMMA = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma3-270m"
 CONFIGS: dict[str, dict[str, Any]] = {
     "safe": {"members": [QWEN, SMOL], "method": "safe"},
     "single": {"members": [QWEN], "method": "single"},
@@ -51,6 +51,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "specem": {"members": [QWEN, SMOL], "method": "specem"},
     "every-token": {"members": [QWEN, SMOL], "method": "every-token"},
     "generate-then-select": {"members": [QWEN, SMOL], "method": "generate-then-select"},
+    # SAFE on the SmolLM2 + Gemma-3 pair (``--configs safe-smol-gemma``)
+    "safe-smol-gemma": {"members": [SMOL, GEMMA], "method": "safe"},
 }
 #: What a plain run compares (docs/agents.md's main table).
 DEFAULT_CONFIGS = ("safe", "single")
