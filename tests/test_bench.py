@@ -1,7 +1,8 @@
 """The benchmark harness: rows, records, summary, targets, artefacts.
 
 Fast tests run the whole harness on tiny random-weight members (real tokenizers); the
-``real`` test runs ``ensemble bench --limit 2`` on the bundled pair with every method.
+``real`` test runs ``ensemble bench --limit 2`` on SmolLM2 + Gemma-3 (the two fastest bundled members) with
+every method.
 """
 
 from __future__ import annotations
@@ -357,7 +358,7 @@ def test_unknown_set_field_fails_early(tiny_llama, tiny_gemma, tmp_path: Path) -
 def test_cli_bench_limit_2_runs_every_method_on_the_real_pair(tmp_path: Path, capsys) -> None:
     out = tmp_path / "bench"
     rc = main(["bench", "--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", "24", "--out", str(out),
-               "--microbench-reps", "1", "--no-progress"])
+               "--members", "smollm2-135m-instruct", "gemma3-270m", "--microbench-reps", "1", "--no-progress"])
     assert rc == 0
     for name in ARTEFACTS:
         assert (out / name).stat().st_size > 0, name

@@ -13,6 +13,8 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_ensemble import ChatEnsemble, EnsembleLLM
 
+from ensemble_core import DEFAULT_MEMBERS
+
 pytestmark = pytest.mark.real
 
 PAIR = ["smollm2-135m-instruct", "gemma3-270m"]
@@ -35,8 +37,9 @@ def chat() -> ChatEnsemble:
 
 def test_defaults_and_model_string_share_the_loaded_ensemble(chat: ChatEnsemble) -> None:
     default = ChatEnsemble(method=METHOD)
-    assert default.members is None and default.model_name == "+".join(PAIR)
-    assert default._core_ensemble() is chat._core_ensemble()
+    assert default.members is None and default.model_name == "+".join(DEFAULT_MEMBERS)
+    assert default._core_ensemble() is ChatEnsemble(members=list(DEFAULT_MEMBERS), method=METHOD)._core_ensemble()
+    assert [m.name for m in default._core_ensemble().members] == list(DEFAULT_MEMBERS)
     assert ChatEnsemble(model="+".join(PAIR), method=METHOD)._core_ensemble() is chat._core_ensemble()
 
 

@@ -26,7 +26,7 @@ from ensemble_core.bench.report import cpu_ticks, hardware, member_layouts, stea
 from ensemble_core.bench.targets import evaluate_targets
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import MemberStats, RequestStats
-from ensemble_core.ensemble import Ensemble, resolve_members
+from ensemble_core.ensemble import DEFAULT_MEMBERS, Ensemble, resolve_members
 from ensemble_core.errors import ConfigurationError, EnsembleError, InvalidOptionError
 from ensemble_core.methods import METHODS, config_fields, method_class
 from ensemble_core.models.loading import per_member_options
@@ -46,7 +46,7 @@ class BenchOptions:
     offset: int = 0
     shots: int | None = None  # None: the dataset's default (datasets.DEFAULT_SHOTS)
     methods: tuple[str, ...] = ALL_METHODS
-    members: tuple[str, ...] = ("smollm2-135m-instruct", "gemma3-270m")
+    members: tuple[str, ...] = DEFAULT_MEMBERS
     devices: tuple[str, ...] = ()
     dtype: str | tuple[str, ...] = "auto"  # one dtype for all members or one per member
     quantize: tuple[str | None, ...] = ()  # one scheme for all members or one per member ("none" / "int8")
