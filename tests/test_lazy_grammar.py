@@ -119,7 +119,32 @@ def test_free_text_is_untouched_and_a_tagged_call_is_constrained_to_its_end(alia
         assert bool(allowed(p)[token]), member(alias).tokenizer.decode([token])
         p.accept(token)
     assert p.calls.active is None and p.calls.completed == 1 and p.calls.broken == 0
-    assert p.process(logits) is logits  # free again after the call
+    # after the call: whitespace, another call or the end; prose is masked (llama.cpp's tool_call+)
+    prose, newline, opener = ids(alias, " The")[0], ids(alias, "\n")[0], ids(alias, "<tool_call>")[0]
+    eos = min(member(alias).eos_token_ids)
+    scores = torch.zeros(member(alias).vocab_size)
+    scores[[prose, newline, opener]] = torch.tensor([9.0, 8.0, 7.0])
+    after = torch.isfinite(p.process(scores))
+    assert not after[prose] and after[newline] and after[opener] and after[eos]
+    assert p.calls.allows("\n", b"<tool_call>") and not p.calls.allows("\n", b"The answer") and p.calls.allows("", None)
+    p.accept(newline)
+    assert torch.isfinite(p.process(scores))[opener] and not torch.isfinite(p.process(scores))[prose]
+    p.calls.commit("The answer is 42.")  # committed without the mask (a method's choice): free from there
+    assert p.calls.strayed == 1 and p.process(logits) is logits
+
+
+def test_after_a_call_a_second_call_in_every_format_may_follow() -> None:
+    """The rule after a call lets another call start in each format: Qwen's tag, a fence, a JSON line
+    (indented too), and the tails that may still become one; not prose, not an object on the call's line."""
+    p = pipeline(SMOL)
+    p.calls.commit('{"name": "multiply", "arguments": {"a": 6, "b": 7}}')
+    assert p.calls.completed == 1 and p.calls.call_end is not None
+    ok = ["\n", "\n\n<tool_call>", "\n<tool", "\n```json\n{", "\n``", "\n{\"name\"", "\n  {\"na", "\n{"]
+    bad = ["\nThe", " {\"name\"", "\n<b>", "\n```python", "\nI called", "."]
+    assert all(p.calls.allows("", t.encode()) for t in ok), [t for t in ok if not p.calls.allows("", t.encode())]
+    assert not any(p.calls.allows("", t.encode()) for t in bad), [t for t in bad if p.calls.allows("", t.encode())]
+    p.calls.commit('\n{"name": "capital", "arguments": {"country": "Peru"}}')
+    assert p.calls.completed == 2 and p.calls.strayed == 0
 
 
 def test_a_wrong_argument_is_masked_and_the_end_of_the_reply_waits_for_the_call() -> None:
@@ -215,8 +240,8 @@ def test_a_repeated_call_ends_the_reply_and_is_dropped() -> None:
     assert allowed(p).nonzero().flatten().tolist() == sorted(member(SMOL).eos_token_ids)  # nothing but the end
     assert not p.calls.allows("", b"6 times 7 is 42.") and p.calls.allows("", None)
     fresh = pipeline(SMOL, excluded=excluded)
-    fresh.commit('{"name": "multiply", "arguments": {"a": 6, "b": 8}}')  # another call: free again after it
-    assert not fresh.calls.ended and allowed(fresh).all()
+    fresh.commit('{"name": "multiply", "arguments": {"a": 6, "b": 8}}')  # another call: not a repeat
+    assert not fresh.calls.ended and fresh.calls.allows("", b"\n") and fresh.calls.allows("", None)
     # the reply's calls: the repeat is dropped (what the adapters do before asking for the answer)
     output = parse_output(CALL, structured_request(TOOLS))
     history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [

@@ -38,6 +38,16 @@ costs nothing until a trigger, and after it each member's mask is exact in its o
 vocabulary because the grammar follows the committed *bytes* (:meth:`ConstraintState.accept_text`
 starts at the trigger's group, which may lie inside one of the member's tokens).
 
+**After a call, only calls.** Once a call is complete, the text that follows may be whitespace,
+another call (a trigger, then its grammar) or the end of the reply, as in llama.cpp, whose lazy
+grammar holds everything after its trigger to ``tool_call+``: prose after a call is never the
+answer (the tool has not run yet) and goes into the history, where the members imitate it in
+later turns. Seen with SpecEM in LlamaIndex (the agent suite's task 21): SmolLM2's segment
+``\n```\n\nYou can use the `celsius_to_fahrenheit` function ...`` won after Qwen's fenced call,
+and in the answer turn both members wrote that sentence again instead of the tool's result.
+Each member's tokens are checked among its :data:`AFTER_CALL_TOP_K` most likely (the end of the
+reply is always allowed after a call); text before the first call stays free.
+
 Two more rules live here:
 
 * **Answered calls are answered, not repeated** (``GenerationConfig.exclude_repeated_calls``,
@@ -106,6 +116,8 @@ __all__ = [
 ANSWER_REQUEST = "Answer my question in one sentence, using the tool results above."
 #: How many of a member's most likely tokens ``tool_choice="none"`` checks for a completed trigger.
 FORBID_TOP_K = 64
+#: How many of a member's most likely tokens are checked after a call (only whitespace, a call or the end).
+AFTER_CALL_TOP_K = 64
 
 
 
@@ -262,9 +274,10 @@ class LazyMark:
     fmt: CallFormat | None
     start: int
     done: int
-    counters: tuple[int, int, int, int, int]
+    counters: tuple[int, int, int, int, int, int]
     ended: bool
     accepts: int
+    call_end: int | None
 
 
 class LazyState:
@@ -275,7 +288,9 @@ class LazyState:
     the call is complete. Counters (for tests and statistics): ``activations`` (calls started),
     ``completed`` (calls the grammar closed), ``broken`` (calls the committed text left, e.g. a
     method committed text without the mask), ``blocked`` (triggers committed where calls are
-    forbidden), ``repeats`` (calls that repeated an excluded one; the reply has then ``ended``).
+    forbidden), ``repeats`` (calls that repeated an excluded one; the reply has then ``ended``),
+    ``strayed`` (text after a call that is neither whitespace nor another call, committed
+    without the mask; the text is free again from there).
     """
 
     def __init__(self, calls: LazyCalls, member: Any, loops: LoopPenalty | None = None, close_margin: int = 0,
@@ -290,9 +305,12 @@ class LazyState:
         self.fmt: CallFormat | None = None
         self.start = 0
         self.done: list[tuple[str, str]] = []
-        self.activations = self.completed = self.broken = self.blocked = self.repeats = 0
+        self.activations = self.completed = self.broken = self.blocked = self.repeats = self.strayed = 0
         self.ended = False
         self.accepts = 0
+        #: Where the last completed call ends in :attr:`buf` (None: no call yet, or the rule was left, see
+        #: :meth:`_check_after_call`): from there only whitespace, another call or the end.
+        self.call_end: int | None = None
         self._budget: tuple[int, int] | None = None if budget is None else (int(budget), 0)
         self._excluded = set(calls.excluded)
 
@@ -323,7 +341,39 @@ class LazyState:
             return self._only_the_end(logits)
         if self.calls.forbid:
             logits = self._forbid_triggers(logits)
+        elif self.call_end is not None:
+            logits = self._only_calls(logits)
         return logits
+
+    def _only_calls(self, logits: torch.Tensor) -> torch.Tensor:
+        """After a call: among the :data:`AFTER_CALL_TOP_K` most likely tokens, those that keep the text after
+        the call whitespace or the start of another call, and the end of the reply."""
+        row = logits if logits.dim() == 1 else logits.max(dim=0).values
+        top = torch.topk(row.float(), min(AFTER_CALL_TOP_K, row.shape[-1])).indices.tolist()
+        keep = [i for i in top if i < len(self.keys) and self.keys[i] and self._after_call_ok(bytes(self.buf) + self.keys[i])]
+        keep += [i for i in self.member.eos_token_ids if i < logits.shape[-1]]
+        out = torch.full_like(logits, float("-inf"))
+        out[..., keep] = logits[..., keep]
+        return out
+
+    def _after_call_ok(self, text: bytes) -> bool:
+        """Whether ``text`` (the member's whole text) holds only whitespace after the last call, then at most
+        the start of another call: a whole trigger, or a tail that may still become one (:func:`trigger_tail`)."""
+        assert self.call_end is not None
+        tail = text[self.call_end:]
+        stripped = tail.lstrip(b" \t\r\n")
+        if not stripped:
+            return True
+        at = len(text) - len(stripped)  # where the first non-whitespace byte after the call is
+        found = find_trigger(text, self.call_end)  # a trigger may start at a line start before ``at`` (indentation)
+        if found is not None and found[1].start() <= at < found[1].end():
+            return True
+        base = max(0, at - TRIGGER_SPAN)
+        try:
+            before, decoded = text[base:at].decode("utf-8"), text[base:].decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return trigger_tail(decoded) <= len(before)
 
     def _allow_closer(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         assert self.active is not None and self.fmt is not None
@@ -381,6 +431,7 @@ class LazyState:
             return
         if key is not None:
             self.buf += key
+            self._check_after_call()
             self._scan()
 
     def commit(self, text: str) -> None:
@@ -391,6 +442,7 @@ class LazyState:
         if self.active is not None:
             self._feed(text)
         else:
+            self._check_after_call()
             self._scan()
 
     def set_budget(self, left: int | None) -> None:
@@ -474,19 +526,30 @@ class LazyState:
         self.completed += 1
         self.scan = self.start + len(state.text)
         self.active, self.fmt = None, None
+        if not self.ended:
+            self.call_end = self.scan
+            self._check_after_call()  # text committed with the call's end may already go on after it
+
+    def _check_after_call(self) -> None:
+        """Text after a call that is neither whitespace nor another call (committed without the mask) ends the
+        rule: the text is free from there (``strayed``)."""
+        if self.call_end is not None and not self._after_call_ok(bytes(self.buf)):
+            self.strayed += 1
+            self.call_end = None
 
     def _give_up(self) -> None:
         """The committed text left the call's grammar (a method committed text without the mask): it stays free."""
         self.broken += 1
         self.scan = len(self.buf)
         self.active, self.fmt = None, None
+        self.call_end = None
 
     # ------------------------------------------------------------------ drafts
     def checkpoint(self) -> LazyMark:
         return LazyMark(len(self.buf), self.scan, self.active, self.active.checkpoint() if self.active else None,
                         self.fmt, self.start, len(self.done),
-                        (self.activations, self.completed, self.broken, self.blocked, self.repeats),
-                        self.ended, self.accepts)
+                        (self.activations, self.completed, self.broken, self.blocked, self.repeats, self.strayed),
+                        self.ended, self.accepts, self.call_end)
 
     def restore(self, mark: LazyMark) -> None:
         del self.buf[mark.length:]
@@ -494,28 +557,30 @@ class LazyState:
         if self.active is not None:
             self.active.restore(mark.grammar)
         del self.done[mark.done:]
-        self.activations, self.completed, self.broken, self.blocked, self.repeats = mark.counters
+        self.activations, self.completed, self.broken, self.blocked, self.repeats, self.strayed = mark.counters
         self.ended = mark.ended
         self.accepts = mark.accepts
+        self.call_end = mark.call_end
 
     # ------------------------------------------------------------------ ensemble points (texts)
     def allows(self, prefix: str, key: bytes | None) -> bool:
         """Whether committing ``prefix`` then ``key`` (None: the end of the reply) keeps every rule: a
-        started call stays in its grammar (and the reply ends outside a call), no trigger is completed
-        where calls are forbidden, and after a repeated call nothing but the end follows."""
+        started call stays in its grammar (and the reply ends outside a call), after a call only
+        whitespace or another call follows, no trigger is completed where calls are forbidden, and after
+        a repeated call nothing but the end follows."""
         mark = self.checkpoint()
         try:
-            before = (self.broken, self.blocked)
+            before = (self.broken, self.blocked, self.strayed)
             self.commit(prefix)
             if key is None:
-                return self.active is None and (self.broken, self.blocked) == before
+                return self.active is None and (self.broken, self.blocked, self.strayed) == before
             if self.ended:
                 return False
             try:
                 self.commit(key.decode("utf-8"))
             except UnicodeDecodeError:
-                return self.active is None and not self.calls.forbid
-            return (self.broken, self.blocked) == before
+                return self.active is None and not self.calls.forbid and self.call_end is None
+            return (self.broken, self.blocked, self.strayed) == before
         finally:
             self.restore(mark)
 
