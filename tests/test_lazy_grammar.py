@@ -119,16 +119,23 @@ def test_free_text_is_untouched_and_a_tagged_call_is_constrained_to_its_end(alia
         assert bool(allowed(p)[token]), member(alias).tokenizer.decode([token])
         p.accept(token)
     assert p.calls.active is None and p.calls.completed == 1 and p.calls.broken == 0
-    # after the call: whitespace, another call or the end; prose is masked (llama.cpp's tool_call+)
+    # after the call: whitespace, another call or the end (llama.cpp's tool_call+); a member whose first
+    # choice is prose ends the reply (its next call is not its choice), one whose first choice is a call goes on
     prose, newline, opener = ids(alias, " The")[0], ids(alias, "\n")[0], ids(alias, "<tool_call>")[0]
     eos = min(member(alias).eos_token_ids)
-    scores = torch.zeros(member(alias).vocab_size)
-    scores[[prose, newline, opener]] = torch.tensor([9.0, 8.0, 7.0])
-    after = torch.isfinite(p.process(scores))
-    assert not after[prose] and after[newline] and after[opener] and after[eos]
+    vocab = member(alias).vocab_size
+
+    def kept(order: list[int]) -> list[int]:
+        scores = torch.zeros(vocab)
+        scores[order] = torch.arange(len(order), 0, -1, dtype=torch.float) + 10  # the first ranks highest
+        return [t for t in (prose, newline, opener, eos) if torch.isfinite(p.process(scores))[t]]
+
+    assert kept([prose, newline, opener]) == [eos]
+    assert kept([newline, opener, prose]) == [newline, opener, eos]
+    assert kept([opener, prose, newline]) == [opener, eos]
     assert p.calls.allows("\n", b"<tool_call>") and not p.calls.allows("\n", b"The answer") and p.calls.allows("", None)
     p.accept(newline)
-    assert torch.isfinite(p.process(scores))[opener] and not torch.isfinite(p.process(scores))[prose]
+    assert kept([opener, prose]) == [opener, eos] and kept([prose, opener]) == [eos]
     p.calls.commit("The answer is 42.")  # committed without the mask (a method's choice): free from there
     assert p.calls.strayed == 1 and p.process(logits) is logits
 
