@@ -45,9 +45,8 @@ answer (the tool has not run yet) and goes into the history, where the members i
 later turns. Seen with SpecEM in LlamaIndex (the agent suite's task 21): SmolLM2's segment
 ``\n```\n\nYou can use the `celsius_to_fahrenheit` function ...`` won after Qwen's fenced call,
 and in the answer turn both members wrote that sentence again instead of the tool's result.
-A member whose most likely token after a call would start prose ends its reply there: masking the
-prose alone made Qwen write a second, stray call (``capital_of("United States")`` after
-``multiply(12, 34)``) where it meant to explain the first. Each member's tokens are checked
+A member whose most likely token after a call would start prose ends its reply there, rather than
+being pushed to its best token that is not prose (a call it did not choose). Each member's tokens are checked
 among its :data:`AFTER_CALL_TOP_K` most likely (the end of the reply is always allowed after a
 call); text before the first call stays free.
 
@@ -351,8 +350,8 @@ class LazyState:
     def _only_calls(self, logits: torch.Tensor) -> torch.Tensor:
         """After a call: the end of the reply, and those of the :data:`AFTER_CALL_TOP_K` most likely tokens that
         keep the text after the call whitespace or the start of another call and that the member ranks above
-        every token that would not: a member that would go on in prose ends its reply instead (masking the
-        prose alone made Qwen write a second, stray call where it meant to explain the first)."""
+        every token that would not: a member that would go on in prose ends its reply instead of being pushed
+        to its best other token (a call it did not choose)."""
         row = logits if logits.dim() == 1 else logits.max(dim=0).values
         top = torch.topk(row.float(), min(AFTER_CALL_TOP_K, row.shape[-1])).indices.tolist()
         keep = [i for i in self.member.eos_token_ids if i < logits.shape[-1]]
