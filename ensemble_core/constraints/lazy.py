@@ -336,7 +336,7 @@ class LazyState:
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Free logits unchanged; under an active call the grammar's mask, loop penalty and closing
         pressure, and the closer token; in ``none`` mode call-shaped text masked; after a repeated call
-        only the end of the reply."""
+        only the end of the reply; after another call only whitespace, a call or the end (:meth:`_only_calls`)."""
         if self.active is not None:
             return self._allow_closer(logits, self.active.mask_logits(logits))
         if self.ended:

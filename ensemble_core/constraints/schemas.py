@@ -76,9 +76,9 @@ def json_schema_format(schema: Mapping[str, Any], name: str | None = None, stric
 
     What the adapters' structured output sends to the core (LangChain's ``with_structured_output``,
     LlamaIndex's ``structured_predict``): the schema closed (:func:`closed_schema`) unless ``strict``
-    is False, named by ``name``, else its ``title``, else ``"response"``.
+    is False, named by its ``title``, else ``name`` (a class's), else ``"response"``.
     """
     if strict is not False:
         schema = closed_schema(schema)
-    return {"type": "json_schema", "json_schema": {"name": str(name or schema.get("title") or "response"),
+    return {"type": "json_schema", "json_schema": {"name": str(schema.get("title") or name or "response"),
                                                    "schema": dict(schema), "strict": strict is not False}}

@@ -149,7 +149,7 @@ def json_schema_of(schema: Any, kind: str) -> dict[str, Any]:
 def response_format_for(schema: Any, kind: str, strict: bool | None) -> dict[str, Any]:
     """The core ``response_format`` of :meth:`ChatEnsemble.with_structured_output` (``method="json_schema"``)."""
     json_schema = json_schema_of(schema, kind)
-    return json_schema_format(json_schema, json_schema.get("title") or getattr(schema, "__name__", None), strict)
+    return json_schema_format(json_schema, getattr(schema, "__name__", None), strict)
 
 
 class ChatEnsemble(EnsembleFields, BaseChatModel):

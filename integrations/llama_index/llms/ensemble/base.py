@@ -347,10 +347,12 @@ class EnsembleLLM(FunctionCallingLLM):
     # with ``output_cls`` wrote ``"value": 12`` for "12 times 34" as a call, 408 as a value).
     def _schema_chat(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
                      llm_kwargs: Dict[str, Any] | None, prompt_args: Dict[str, Any]) -> tuple[list[ChatMessage], Dict[str, Any]]:
-        """The messages and chat options that ask for one value of ``output_cls`` under its schema's grammar."""
+        """The messages and chat options that ask for one value of ``output_cls`` under its schema's grammar
+        (LlamaIndex's start event sent, as its own programs do)."""
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
         messages = self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
         kwargs = {k: v for k, v in (llm_kwargs or {}).items() if k not in PROGRAM_OPTIONS}
-        kwargs["response_format"] = json_schema_format(output_cls.model_json_schema(), output_cls.__name__)
+        kwargs["response_format"] = json_schema_format(output_cls.model_json_schema(), name=output_cls.__name__)
         return messages, kwargs
 
     def _schema_value(self, output_cls: Type[BaseModel], response: ChatResponse) -> BaseModel:
@@ -383,7 +385,6 @@ class EnsembleLLM(FunctionCallingLLM):
         """One ``output_cls`` value for the formatted prompt, decoded under its schema (see above)."""
         if not self._schema_mode():
             return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
-        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
         messages, kwargs = self._schema_chat(output_cls, prompt, llm_kwargs, prompt_args)
         value = self._schema_value(output_cls, self.chat(messages, **kwargs))
         dispatcher.event(LLMStructuredPredictEndEvent(output=value))
@@ -395,7 +396,6 @@ class EnsembleLLM(FunctionCallingLLM):
         """:meth:`structured_predict`, generated in a worker thread."""
         if not self._schema_mode():
             return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
-        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
         messages, kwargs = self._schema_chat(output_cls, prompt, llm_kwargs, prompt_args)
         value = self._schema_value(output_cls, await self.achat(messages, **kwargs))
         dispatcher.event(LLMStructuredPredictEndEvent(output=value))
@@ -407,7 +407,6 @@ class EnsembleLLM(FunctionCallingLLM):
         """Partial values while the JSON grows (LlamaIndex's ``Flexible`` models), then the checked value."""
         if not self._schema_mode():
             return super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
-        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
         messages, kwargs = self._schema_chat(output_cls, prompt, llm_kwargs, prompt_args)
         responses = self.stream_chat(messages, **kwargs)  # bad options raise here, at the call
 
@@ -428,7 +427,6 @@ class EnsembleLLM(FunctionCallingLLM):
         """:meth:`stream_structured_predict`, generated in a worker thread."""
         if not self._schema_mode():
             return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
-        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
         messages, kwargs = self._schema_chat(output_cls, prompt, llm_kwargs, prompt_args)
         responses = await self.astream_chat(messages, **kwargs)
 
