@@ -40,6 +40,7 @@ from llama_index.llms.ensemble.messages import INVALID_CALL, assistant_message, 
 from test_llamaindex_agent import ScriptedLM
 
 from ensemble_core import Ensemble, Member
+from ensemble_core.constraints.grammar import JsonConstraint
 from ensemble_core.constraints.lazy import (
     ANSWER_REQUEST,
     LazyCalls,
@@ -70,8 +71,14 @@ def member(alias: str) -> Member:
     return tiny_member(alias, seed=3, name=f"lazy-{alias}")
 
 
-def pipeline(alias: str, forbid: bool = False, excluded: tuple[tuple[str, str], ...] = ()) -> TokenPipeline:
-    calls = LazyCalls((MULTIPLY, CAPITAL), forbid=forbid, excluded=excluded)
+VALUE = {"type": "object", "properties": {"value": {"type": "number"}}, "required": ["value"],
+         "additionalProperties": False}
+
+
+def pipeline(alias: str, forbid: bool = False, excluded: tuple[tuple[str, str], ...] = (),
+             answer: dict | None = None) -> TokenPipeline:
+    calls = LazyCalls((MULTIPLY, CAPITAL), forbid=forbid, excluded=excluded,
+                      answer=None if answer is None else JsonConstraint(answer))
     return TokenPipeline(GenerationConfig(), calls=calls.start(member(alias), budget=64))
 
 
@@ -152,6 +159,50 @@ def test_after_a_call_a_second_call_in_every_format_may_follow() -> None:
     assert not any(p.calls.allows("", t.encode()) for t in bad), [t for t in bad if p.calls.allows("", t.encode())]
     p.calls.commit('\n{"name": "capital", "arguments": {"country": "Peru"}}')
     assert p.calls.completed == 2 and p.calls.strayed == 0
+
+
+@pytest.mark.parametrize("alias", [QWEN, SMOL])
+def test_under_a_response_format_the_reply_is_the_value_or_calls_never_prose(alias: str) -> None:
+    """Tools in ``auto`` and a schema: before any call a member may write the schema's value or start a call,
+    whichever it ranks higher, not prose; the reply ends only on a complete value; a trigger makes it calls."""
+    p = pipeline(alias, answer=VALUE)
+    prose, brace, opener = ids(alias, "The")[0], ids(alias, "{")[0], ids(alias, "<tool_call>")[0]
+    newline, eos, vocab = ids(alias, "\n")[0], min(member(alias).eos_token_ids), member(alias).vocab_size
+
+    def kept(order: list[int]) -> list[int]:
+        scores = torch.zeros(vocab)
+        scores[order] = torch.arange(len(order), 0, -1, dtype=torch.float) + 10  # the first ranks highest
+        return [t for t in (prose, brace, opener, newline, eos) if torch.isfinite(p.process(scores))[t]]
+
+    assert kept([prose, brace, opener, newline]) == [brace]  # prose first: the value, not the call it ranks next
+    assert kept([opener, prose, brace]) == [brace, opener] and kept([newline, opener]) == [brace, opener, newline]
+    assert p.calls.allows("", b"{") and p.calls.allows("", b"<tool_call>") and p.calls.allows("\n\n", b"{")
+    assert not p.calls.allows("", b"The") and not p.calls.allows("", None) and not p.calls.allows('{"value": 4', None)
+    mark = p.checkpoint()
+    p.commit('\n{"value": 4')  # leading whitespace, then the value: the value's grammar follows
+    assert p.calls.value is not None and p.calls.value.text == b'{"value": 4' and kept([prose, opener]) == [newline]
+    assert p.calls.allows("2}", None) and not p.calls.allows("2} and", None)
+    p.commit("2}")
+    assert kept([prose, brace, eos]) == [eos] and p.calls.unvalued == 0  # a complete value: only the end
+    p.restore(mark)
+    assert p.calls.owes and p.calls.value is not None and p.calls.value.text == b""
+    for token in ids(alias, '<tool_call>\n{"name": "multiply"'):
+        p.accept(token)
+    assert not p.calls.owes and p.calls.value is None and p.calls.active is not None  # the reply is a call
+    p.restore(mark)
+    p.commit("The answer is 42.")  # committed without the mask (a method's choice): free from there
+    assert p.calls.unvalued == 1 and not p.calls.owes
+    logits = torch.randn(vocab)
+    assert p.process(logits) is logits
+
+
+def test_a_value_split_inside_a_character_is_followed_byte_by_byte() -> None:
+    """A byte-level member writes a rare character in pieces; the value's grammar follows the bytes."""
+    p = pipeline(SMOL, answer={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    for token in ids(SMOL, '{"city": "東京"}'):
+        assert bool(torch.isfinite(p.process(torch.zeros(member(SMOL).vocab_size)))[token])
+        p.accept(token)
+    assert p.calls.value is not None and p.calls.value.can_end and p.calls.unvalued == 0
 
 
 def test_a_wrong_argument_is_masked_and_the_end_of_the_reply_waits_for_the_call() -> None:
@@ -394,7 +445,9 @@ def prose_then_repeat(prompt: str) -> str:
 def test_prose_before_a_repeated_call_is_answered_again_under_a_response_format() -> None:
     """The repeated call is dropped and the text before it is all that is left: under a ``response_format``
     that text is not the schema's value, so the answer is asked for under the grammar; without one, the text
-    is the answer (as before)."""
+    is the answer (as before). With the lazy grammar on, the value-or-calls rule holds such prose back
+    (a scripted member only follows its script, so the mask would garble it); off, the prose is written,
+    as it is wherever text leaves the rule, and the answer turn catches it."""
     from ensemble_core.constraints.structured import reply_content
     from ensemble_core.serving.runtime import Run, settle
 
@@ -406,7 +459,8 @@ def test_prose_before_a_repeated_call_is_answered_again_under_a_response_format(
     for response_format, text in [(schema, '{"value": 42}'), (None, "Let me check that again.")]:
         ensemble = Ensemble([scripted_member(SMOL, prose_then_repeat, f"prose-repeat-{bool(response_format)}")],
                             method="single")
-        run = Run(ensemble, history, {"tools": TOOLS, "response_format": response_format, "max_new_tokens": 60})
+        run = Run(ensemble, history, {"tools": TOOLS, "response_format": response_format, "max_new_tokens": 60,
+                                      "lazy_tool_grammar": False})
         for _ in run:
             pass
         result = settle(run)
@@ -424,12 +478,14 @@ def prose_then_json(prompt: str) -> str:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_direct_answer_that_breaks_the_response_format_is_answered_again_under_it(stream: bool) -> None:
     """Tools offered in ``auto`` and a ``response_format``: a reply that neither calls nor is a value of the
-    schema is answered in a turn of its own under the schema's grammar, streamed or not; its prose is never
-    shown (content is held back whole when a schema is asked for)."""
+    schema (written with the lazy grammar off, or committed where text left its rule) is answered in a turn
+    of its own under the schema's grammar, streamed or not; its prose is never shown (content is held back
+    whole when a schema is asked for)."""
     schema = {"type": "object", "properties": {"value": {"type": "number"}}, "required": ["value"]}
     chat = ChatEnsemble(members=[scripted_member(SMOL, prose_then_json, f"prose-{stream}")], method="single",
                         max_tokens=40)
-    bound = chat.bind_tools([multiply], response_format={"type": "json_schema", "json_schema": {"name": "P", "schema": schema}})
+    bound = chat.bind_tools([multiply], response_format={"type": "json_schema", "json_schema": {"name": "P", "schema": schema}},
+                            lazy_tool_grammar=False)
     history = [HumanMessage("6 times 7?"), AIMessage(content="", tool_calls=[{"name": "multiply", "args": {"a": 6, "b": 7},
                                                                               "id": "c1"}]),
                ToolMessage(content="42", tool_call_id="c1")]
@@ -443,6 +499,94 @@ def test_a_direct_answer_that_breaks_the_response_format_is_answered_again_under
     direct = ChatEnsemble(members=[scripted_member(SMOL, prose_then_json, f"prose-free-{stream}")], method="single",
                           max_tokens=40).bind_tools([multiply]).invoke(history)
     assert direct.content == "6 times 7 is 42."  # without a response_format, prose is the answer
+
+
+class SecondChoiceLM(ScriptedLM):
+    """A scripted LM with a runner-up: at each position of its reply the scripted token scores 0, the token of
+    ``second(prompt)`` at the same position -5 and every other token -1e4, so a mask that forbids the first
+    choice gets the second (as a real member ranks the value below the prose it would write)."""
+
+    def __init__(self, inner: Any, tokenizer: Any, reply: Any, second: Any) -> None:
+        super().__init__(inner, tokenizer, reply)
+        self.second, self._second_of, self._second_ids = second, None, []
+
+    def forward(self, input_ids: torch.Tensor, cache: Any = None, **kwargs: Any) -> Any:
+        out = super().forward(input_ids, cache=cache, **kwargs)
+        if self._second_of != self.prompts[-1]:
+            self._second_of = self.prompts[-1]
+            self._second_ids = [*self.tokenizer(self.second(self._second_of), add_special_tokens=False)["input_ids"],
+                                self.tokenizer.eos_token_id]
+        rows = out.logits.shape[1]
+        for r in range(rows):
+            produced = len(self._ids) - rows + r + 1 - self._prompt_len
+            token = self._second_ids[min(max(produced, 0), len(self._second_ids) - 1)]
+            out.logits[0, r, token] = max(float(out.logits[0, r, token]), -5.0)
+        return out
+
+
+PROSE = "Six times seven gives forty two"
+
+
+def second_choice_member(alias: str, name: str, reply: Any = PROSE, second: Any = '{"value": 42}') -> Member:
+    base = tiny_member(alias, seed=1)
+    lm = SecondChoiceLM(base.model, base.tokenizer, reply if callable(reply) else (lambda prompt: reply),
+                        second if callable(second) else (lambda prompt: second))
+    return Member(lm, base.tokenizer, name=name)
+
+
+HISTORY = [{"role": "user", "content": "6 times 7?"},
+           {"role": "assistant", "content": "", "tool_calls": [
+               {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}]},
+           {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+
+
+@pytest.mark.parametrize("method", ["single", "safe", "every-token", "specem", "generate-then-select"])
+def test_a_member_that_would_answer_in_prose_writes_the_value_in_the_same_turn(method: str) -> None:
+    """Tools in ``auto`` and a ``response_format``: members whose first choice is prose and second the value
+    write the value in their reply, under every method: no answer turn (each member read one prompt)."""
+    members = [second_choice_member(SMOL, f"second-smol-{method}")]
+    if method != "single":
+        members.append(second_choice_member(QWEN, f"second-qwen-{method}"))
+    ensemble = Ensemble(members, method=method)
+    from ensemble_core.serving.runtime import Run, settle
+
+    run = Run(ensemble, HISTORY, {"tools": TOOLS, "response_format": VALUE, "max_new_tokens": 40})
+    for _ in run:
+        pass
+    result = settle(run)
+    assert result.text == '{"value": 42}' and result.parsed == {"value": 42}, result.text
+    assert not result.tool_calls and all(len(m.model.prompts) == 1 for m in members)
+    free = ensemble.generate(HISTORY, tools=TOOLS, max_new_tokens=40)
+    assert free.text == PROSE  # without a response_format, prose is the answer
+
+
+def call_then_prose(prompt: str) -> str:
+    """Call the tool; once its result (42.0) follows the question, answer in prose."""
+    return PROSE if "42" in prompt.split("6 times 7?", 1)[-1] else CALL
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_create_agent_reads_the_value_written_in_the_turn_after_the_tool(stream: bool) -> None:
+    """LangChain's ``create_agent(..., response_format=Model)``: the call, the tool, then the reply is the
+    model's value, written where the member would have answered in prose: two model calls, no third."""
+    from langchain.agents import create_agent
+    from pydantic import BaseModel, ConfigDict
+
+    class Product(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        value: float
+
+    member_ = second_choice_member(SMOL, f"second-agent-{stream}", reply=call_then_prose)
+    chat = ChatEnsemble(members=[member_], method="single", max_tokens=40)
+    agent = create_agent(chat, [multiply], response_format=Product)
+    question = {"messages": [HumanMessage("6 times 7?")]}
+    if stream:
+        *_, state = agent.stream(question, {"recursion_limit": 6}, stream_mode="values")
+    else:
+        state = agent.invoke(question, {"recursion_limit": 6})
+    assert state["structured_response"] == Product(value=42)
+    assert [type(m).__name__ for m in state["messages"]] == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage"]
+    assert len(member_.model.prompts) == 2
 
 
 def test_streamed_repeat_is_broken_and_the_answer_streams_as_text() -> None:

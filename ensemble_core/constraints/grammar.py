@@ -757,20 +757,21 @@ class ConstraintState:
         self._push(1, self.compiled._lltok.decode_bytes([token_id]))
         return True
 
-    def accept_text(self, text: str) -> bool:
+    def accept_text(self, text: str | bytes) -> bool:
         """Advance by ``text`` (committed by any member; it need not end on a token boundary of this one).
+        Bytes may end inside a character (a byte-level token's share of it); the next bytes complete it.
 
         Returns False and leaves the state unchanged if the grammar rejects the text.
         """
         if self._ended:
-            return text == ""
+            return not text
         ids = self._ids(text)
         n = self._m.try_consume_tokens(ids)
         if n != len(ids):
             self._m.rollback(n)
             self._raise_if_error()
             return False
-        self._push(len(ids), text.encode("utf-8"))
+        self._push(len(ids), text if isinstance(text, bytes) else text.encode("utf-8"))
         return True
 
     def checkpoint(self) -> Checkpoint:
@@ -810,13 +811,15 @@ class ConstraintState:
         self._chunks.append(chunk)
         self._version += 1
 
-    def _ids(self, text: str) -> list[int]:
-        """Engine tokens that spell exactly ``text`` (greedy over the vocabulary; any split works on bytes)."""
+    def _ids(self, text: str | bytes) -> list[int]:
+        """Engine tokens that spell exactly ``text`` (any split works on bytes: greedy over the vocabulary for a
+        string, the tokenizer's own split for bytes, which may end inside a character)."""
         if not text:
             return []
         lltok = self.compiled._lltok
-        ids = lltok.greedy_tokenize(text)
-        if lltok.decode_bytes(ids) != text.encode("utf-8"):
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        ids = lltok.tokenize_bytes(data) if isinstance(text, bytes) else lltok.greedy_tokenize(text)
+        if lltok.decode_bytes(ids) != data:
             raise ConstraintError(f"The tokenizer of this member cannot spell {text[:40]!r} byte for byte (it lacks "
                                   "byte tokens), so its grammar position cannot follow the committed text. Use members "
                                   "with byte-level BPE or byte-fallback SentencePiece tokenizers.")

@@ -50,6 +50,22 @@ being pushed to its best token that is not prose (a call it did not choose). Eac
 among its :data:`AFTER_CALL_TOP_K` most likely (the end of the reply is always allowed after a
 call); text before the first call stays free.
 
+**A value or calls.** With a ``response_format`` next to the tools (LangChain's
+``create_agent(..., response_format=Model)`` binds both on every model call), the reply is
+either calls or the schema's value; prose is neither (the caller reads the answer as the
+value). Before any call, each member's tokens are those the value's grammar allows (its mask,
+loop penalty and closing pressure, :class:`~.grammar.ConstraintState`, fed the text after any
+leading whitespace) and, where the member's first choice keeps the text whitespace then the start
+of a call, the call's tokens it ranks above anything else: a call is the member's own choice, the
+value the rule's; the reply may end once the value is complete. A
+trigger makes the reply calls (a ``{"name"`` line is read as a call here as anywhere, even
+where the schema's first property is ``name``). Seen on Qwen2.5-Coder-0.5B after the tool's
+result (``12 * 34``): it wrote the schema back (``{"description": "The final answer ...",
+"properties": {"answer": {"description": "408", ...``), which the answer turn of
+:func:`~ensemble_core.serving.runtime.settle` then had to ask for again; under the rule the
+reply itself is ``{"answer": "408"}``. Text committed without the mask that is neither
+(``unvalued``) leaves the rule, and the answer turn still catches a reply that is not a value.
+
 Two more rules live here:
 
 * **Answered calls are answered, not repeated** (``GenerationConfig.exclude_repeated_calls``,
@@ -84,7 +100,12 @@ from typing import Any
 
 import torch
 
-from ensemble_core.constraints.grammar import ConstraintState, call_format_constraint, compile_for_member
+from ensemble_core.constraints.grammar import (
+    ConstraintState,
+    JsonConstraint,
+    call_format_constraint,
+    compile_for_member,
+)
 from ensemble_core.constraints.repetition import LoopPenalty
 from ensemble_core.constraints.triggers import (
     CALL_SHAPES,
@@ -224,12 +245,15 @@ class LazyCalls:
     """What one request's members decode under in ``auto`` / ``none`` mode (see the module docstring).
 
     ``tools``: the bare function specs; ``forbid``: ``tool_choice="none"`` (triggers masked,
-    no grammar); ``excluded``: ``(name, canonical arguments)`` calls that may not be made again.
+    no grammar); ``excluded``: ``(name, canonical arguments)`` calls that may not be made again;
+    ``answer``: the grammar of the request's ``response_format`` (None: free text), under which a
+    reply is calls or that value, never prose (see the module docstring, "A value or calls").
     """
 
     tools: tuple[dict[str, Any], ...]
     forbid: bool = False
     excluded: tuple[tuple[str, str], ...] = ()
+    answer: JsonConstraint | None = None
 
     def constraint(self, fmt: CallFormat) -> Any:
         """The (cached) grammar of one call in format ``fmt``."""
@@ -261,7 +285,8 @@ def lazy_calls(request: Any, messages: Sequence[Mapping[str, Any]], exclude_repe
         return LazyCalls(tuple(request.tools), forbid=True)
     if request.choice != "auto" or not enabled:
         return None
-    return LazyCalls(tuple(request.tools), excluded=answered_calls(messages) if exclude_repeated else ())
+    answer = None if request.schema is None else JsonConstraint(request.schema or None)
+    return LazyCalls(tuple(request.tools), excluded=answered_calls(messages) if exclude_repeated else (), answer=answer)
 
 
 # ----------------------------------------------------------------------------- member level
@@ -276,10 +301,13 @@ class LazyMark:
     fmt: CallFormat | None
     start: int
     done: int
-    counters: tuple[int, int, int, int, int, int]
+    counters: tuple[int, int, int, int, int, int, int]
     ended: bool
     accepts: int
     call_end: int | None
+    owes: bool
+    value: ConstraintState | None
+    value_mark: Any
 
 
 class LazyState:
@@ -292,7 +320,9 @@ class LazyState:
     method committed text without the mask), ``blocked`` (triggers committed where calls are
     forbidden), ``repeats`` (calls that repeated an excluded one; the reply has then ``ended``),
     ``strayed`` (text after a call that is neither whitespace nor another call, committed
-    without the mask; the text is free again from there).
+    without the mask; the text is free again from there), ``unvalued`` (under a ``response_format``,
+    text before any call that is neither the schema's value nor the start of a call, committed
+    without the mask; free from there too).
     """
 
     def __init__(self, calls: LazyCalls, member: Any, loops: LoopPenalty | None = None, close_margin: int = 0,
@@ -308,6 +338,7 @@ class LazyState:
         self.start = 0
         self.done: list[tuple[str, str]] = []
         self.activations = self.completed = self.broken = self.blocked = self.repeats = self.strayed = 0
+        self.unvalued = 0
         self.ended = False
         self.accepts = 0
         #: Where the last completed call ends in :attr:`buf` (None: no call yet, or the rule was left, see
@@ -315,6 +346,15 @@ class LazyState:
         self.call_end: int | None = None
         self._budget: tuple[int, int] | None = None if budget is None else (int(budget), 0)
         self._excluded = set(calls.excluded)
+        #: Under a ``response_format``: no call has started and the text has kept to the rule, so the reply must
+        #: become the schema's value or a call (:meth:`_value_or_call`).
+        self.owes = calls.answer is not None
+        #: The schema value's grammar position while the text (after leading whitespace) may still be the value.
+        self.value: ConstraintState | None = None
+        if calls.answer is not None:
+            self.value = compile_for_member(calls.answer, member).start(loops, close_margin)
+            if budget is not None:
+                self.value.set_budget(budget)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -336,16 +376,45 @@ class LazyState:
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Free logits unchanged; under an active call the grammar's mask, loop penalty and closing
         pressure, and the closer token; in ``none`` mode call-shaped text masked; after a repeated call
-        only the end of the reply; after another call only whitespace, a call or the end (:meth:`_only_calls`)."""
+        only the end of the reply; after another call only whitespace, a call or the end (:meth:`_only_calls`);
+        under a ``response_format`` before any call, the schema's value or a call (:meth:`_value_or_call`)."""
         if self.active is not None:
             return self._allow_closer(logits, self.active.mask_logits(logits))
         if self.ended:
             return self._only_the_end(logits)
         if self.calls.forbid:
             logits = self._forbid_triggers(logits)
+        elif self.owes:
+            logits = self._value_or_call(logits)
         elif self.call_end is not None:
             logits = self._only_calls(logits)
         return logits
+
+    def _value_or_call(self, logits: torch.Tensor) -> torch.Tensor:
+        """Under a ``response_format``, before any call: the tokens the schema value's grammar allows (with its
+        loop penalty and closing pressure), and those of the :data:`AFTER_CALL_TOP_K` most likely tokens that
+        keep the text whitespace, then the start of a call, and that the member ranks above every token that
+        would not. A call goes on only as the member's own first choice; a member that would write prose
+        (or, inside ``{"``, a key the schema does not have) writes the value. Why not the best call token
+        below it: Qwen2.5-Coder-0.5B, held from writing the schema back (``{"description"``), ranked
+        ``name`` above ``answer`` and made a stray call. The end of the reply waits for a complete value.
+        Should nothing be allowed (text committed without the mask), the logits are free."""
+        text = bytes(self.buf)
+        keep = []
+        if self._call_may_follow(text, 0):
+            row = logits if logits.dim() == 1 else logits.max(dim=0).values
+            for i in torch.topk(row.float(), min(AFTER_CALL_TOP_K, row.shape[-1])).indices.tolist():
+                key = self.keys[i] if i < len(self.keys) else None
+                if not key:
+                    continue  # special tokens without text (the end of the reply is the value's to allow)
+                if not self._call_may_follow(text + key, 0):
+                    break  # the member prefers text that is not a call here: nothing below it starts one
+                keep.append(i)
+        if self.value is None and not keep:
+            return logits
+        out = torch.full_like(logits, float("-inf")) if self.value is None else self.value.mask_logits(logits)
+        out[..., keep] = logits[..., keep]
+        return out
 
     def _only_calls(self, logits: torch.Tensor) -> torch.Tensor:
         """After a call: the end of the reply, and those of the :data:`AFTER_CALL_TOP_K` most likely tokens that
@@ -369,14 +438,19 @@ class LazyState:
 
     def _after_call_ok(self, text: bytes) -> bool:
         """Whether ``text`` (the member's whole text) holds only whitespace after the last call, then at most
-        the start of another call: a whole trigger, or a tail that may still become one (:func:`trigger_tail`)."""
+        the start of another call (:meth:`_call_may_follow`)."""
         assert self.call_end is not None
-        tail = text[self.call_end:]
-        stripped = tail.lstrip(b" \t\r\n")
+        return self._call_may_follow(text, self.call_end)
+
+    @staticmethod
+    def _call_may_follow(text: bytes, start: int) -> bool:
+        """Whether ``text[start:]`` is whitespace, then at most the start of a call: a whole trigger, or a tail
+        that may still become one (:func:`trigger_tail`)."""
+        stripped = text[start:].lstrip(b" \t\r\n")
         if not stripped:
             return True
-        at = len(text) - len(stripped)  # where the first non-whitespace byte after the call is
-        found = find_trigger(text, self.call_end)  # a trigger may start at a line start before ``at`` (indentation)
+        at = len(text) - len(stripped)  # where the first non-whitespace byte after ``start`` is
+        found = find_trigger(text, start)  # a trigger may start at a line start before ``at`` (indentation)
         if found is not None and found[1].start() <= at < found[1].end():
             return True
         base = max(0, at - TRIGGER_SPAN)
@@ -442,6 +516,7 @@ class LazyState:
             return
         if key is not None:
             self.buf += key
+            self._follow_value()
             self._check_after_call()
             self._scan()
 
@@ -453,6 +528,7 @@ class LazyState:
         if self.active is not None:
             self._feed(text)
         else:
+            self._follow_value()
             self._check_after_call()
             self._scan()
 
@@ -460,6 +536,8 @@ class LazyState:
         self._budget = None if left is None else (int(left), self.accepts)
         if self.active is not None:
             self.active.set_budget(left)
+        if self.value is not None:
+            self.value.set_budget(left)
 
     def _scan(self) -> None:
         """Look for a trigger in the free text; activate the call grammar there (where calls are forbidden:
@@ -490,6 +568,7 @@ class LazyState:
                 state.set_budget(left)
             self.active, self.fmt, self.start = state, fmt, m.start("g")
             self.activations += 1
+            self.owes, self.value = False, None  # the reply is calls (a {"name" line read as one, as anywhere)
             self._feed(text)
 
     def _scanned(self) -> None:
@@ -541,6 +620,22 @@ class LazyState:
             self.call_end = self.scan
             self._check_after_call()  # text committed with the call's end may already go on after it
 
+    def _follow_value(self) -> None:
+        """Under a ``response_format`` before any call: feed the value's grammar the text it has not seen
+        (leading whitespace skipped: a call may follow it, a value may not start with it), dropping the value
+        when the text leaves it; text that is neither the value nor the start of a call (committed without
+        the mask) ends the rule (``unvalued``)."""
+        if not self.owes:
+            return
+        if self.value is not None:
+            rest = bytes(self.buf).lstrip(b" \t\r\n")
+            new = rest[len(self.value.text):]
+            if new and not self.value.accept_text(new):
+                self.value = None
+        if self.value is None and not self._call_may_follow(bytes(self.buf), 0):
+            self.unvalued += 1
+            self.owes = False
+
     def _check_after_call(self) -> None:
         """Text after a call that is neither whitespace nor another call (committed without the mask) ends the
         rule: the text is free from there (``strayed``)."""
@@ -559,8 +654,10 @@ class LazyState:
     def checkpoint(self) -> LazyMark:
         return LazyMark(len(self.buf), self.scan, self.active, self.active.checkpoint() if self.active else None,
                         self.fmt, self.start, len(self.done),
-                        (self.activations, self.completed, self.broken, self.blocked, self.repeats, self.strayed),
-                        self.ended, self.accepts, self.call_end)
+                        (self.activations, self.completed, self.broken, self.blocked, self.repeats, self.strayed,
+                         self.unvalued),
+                        self.ended, self.accepts, self.call_end, self.owes, self.value,
+                        self.value.checkpoint() if self.value is not None else None)
 
     def restore(self, mark: LazyMark) -> None:
         del self.buf[mark.length:]
@@ -568,30 +665,37 @@ class LazyState:
         if self.active is not None:
             self.active.restore(mark.grammar)
         del self.done[mark.done:]
-        self.activations, self.completed, self.broken, self.blocked, self.repeats, self.strayed = mark.counters
+        (self.activations, self.completed, self.broken, self.blocked, self.repeats, self.strayed,
+         self.unvalued) = mark.counters
         self.ended = mark.ended
         self.accepts = mark.accepts
         self.call_end = mark.call_end
+        self.owes, self.value = mark.owes, mark.value
+        if self.value is not None:
+            self.value.restore(mark.value_mark)
 
     # ------------------------------------------------------------------ ensemble points (texts)
     def allows(self, prefix: str, key: bytes | None) -> bool:
         """Whether committing ``prefix`` then ``key`` (None: the end of the reply) keeps every rule: a
         started call stays in its grammar (and the reply ends outside a call), after a call only
-        whitespace or another call follows, no trigger is completed where calls are forbidden, and after
-        a repeated call nothing but the end follows."""
+        whitespace or another call follows, no trigger is completed where calls are forbidden, after
+        a repeated call nothing but the end follows, and under a ``response_format`` the reply is the
+        schema's value (complete when it ends) or calls."""
         mark = self.checkpoint()
         try:
-            before = (self.broken, self.blocked, self.strayed)
+            before = (self.broken, self.blocked, self.strayed, self.unvalued)
             self.commit(prefix)
             if key is None:
-                return self.active is None and (self.broken, self.blocked, self.strayed) == before
+                owed = self.owes and not (self.value is not None and self.value.can_end)
+                return self.active is None and not owed and (self.broken, self.blocked, self.strayed,
+                                                             self.unvalued) == before
             if self.ended:
                 return False
             try:
                 self.commit(key.decode("utf-8"))
             except UnicodeDecodeError:
-                return self.active is None and not self.calls.forbid and self.call_end is None
-            return (self.broken, self.blocked, self.strayed) == before
+                return self.active is None and not self.calls.forbid and self.call_end is None and not self.owes
+            return (self.broken, self.blocked, self.strayed, self.unvalued) == before
         finally:
             self.restore(mark)
 
@@ -613,7 +717,9 @@ class LazyState:
         return out
 
     def factors(self, prefix: str, texts: Iterable[bytes | None]) -> torch.Tensor | None:
-        """The loop penalty and closing pressure by text at an ensemble point inside a call (None outside one)."""
-        if self.active is None:
+        """The loop penalty and closing pressure by text at an ensemble point inside a call or the schema's value
+        (None outside them)."""
+        state = self.active if self.active is not None else self.value if self.owes else None
+        if state is None:
             return None
-        return self.active.text_factors(prefix, list(texts))
+        return state.text_factors(prefix, list(texts))

@@ -262,8 +262,10 @@ def settle_calls(result: GenerationResult, prompt: Prompt, config: GenerationCon
     asked for in a turn of its own (:func:`settle`): the reply then holds no call and no text (or, under a
     schema, only text that is not its value, written before the repeated call), or, with a
     ``response_format`` next to the tools (LangChain's ``create_agent(..., response_format=Model)``), it
-    holds no call and is not a value of the schema. Why the second: in an ``auto`` turn the grammar guards
-    the calls, not the answer (the reply may still be a call); the answer turn decodes under the schema.
+    holds no call and is not a value of the schema. The second is rare since the lazy grammar holds such a
+    reply to the value or calls (:mod:`ensemble_core.constraints.lazy`, "A value or calls"); it remains for
+    text that left the rule (``lazy_tool_grammar=False``, text committed without the mask) and a value cut
+    by the budget: the answer turn decodes under the schema's grammar from its first token.
     """
     structured, request = result.structured, config.structured
     if not (request.choice == "auto" and request.tools and structured is not None):
