@@ -727,6 +727,40 @@ def test_real_langchain_create_agent_with_a_response_format() -> None:
 
 
 @pytest.mark.real
+def test_real_create_agent_reply_after_the_tool_is_the_schemas_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tools in ``auto`` and a ``response_format`` (``create_agent``'s ProviderStrategy), SAFE on the default
+    pair: after ``multiply`` returned 408, Qwen2.5-Coder-0.5B's first choice was to write the schema back
+    (``{"description": "The final answer ...``), not a value, and the answer had to be asked for in a turn of
+    its own; under the value-or-calls rule its reply is the value: no answer turn (counted, the turn runs
+    for real when asked for)."""
+    from langchain.agents import create_agent
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_ensemble import ChatEnsemble
+    from pydantic import BaseModel, Field
+
+    from ensemble_core.serving import runtime
+
+    class Answer(BaseModel):
+        """The final answer to the user's question."""
+
+        answer: str = Field(description="the answer in one sentence, with the tool's result")
+
+    def multiply(a: float, b: float) -> float:
+        """Multiply two numbers."""
+        return a * b
+
+    asked: list[int] = []
+    answer_request = runtime.answer_request
+    monkeypatch.setattr(runtime, "answer_request", lambda run: asked.append(1) or answer_request(run))
+    chat = ChatEnsemble(members=["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"], method="safe", max_tokens=80)
+    state = create_agent(chat, [multiply], response_format=Answer).invoke(
+        {"messages": [HumanMessage("What is 12 times 34?")]}, {"recursion_limit": 8})
+    calls = [c for m in state["messages"] if isinstance(m, AIMessage) for c in m.tool_calls]
+    assert [(c["name"], c["args"]) for c in calls] == [("multiply", {"a": 12, "b": 34})]
+    assert "408" in state["structured_response"].answer and asked == []
+
+
+@pytest.mark.real
 async def test_real_llamaindex_function_agent_with_output_cls() -> None:
     """LlamaIndex's ``FunctionAgent(tools, llm, output_cls=Model)`` with its defaults, on SAFE (Qwen drafting for
     SmolLM2): the agent calls the tool, then asks ``as_structured_llm(Model)`` for the value over the
