@@ -11,7 +11,11 @@ import pytest
 from ensemble_core import Ensemble, InvalidOptionError, Member
 from ensemble_core.constraints.schemas import closed_schema
 from ensemble_core.constraints.structured import (
+    ANSWER_INSTRUCTIONS,
     JSON_INSTRUCTIONS,
+    NO_TOOL_TEXT,
+    NO_TOOL_VALUE,
+    VALUE_ANSWER_INSTRUCTIONS,
     ReplyStream,
     StructuredRequest,
     json_sequence,
@@ -70,6 +74,21 @@ def test_members_without_tool_templates_get_the_instructions() -> None:
     assert messages[0]["role"] == "system" and '"name": "multiply"' in messages[0]["content"]
     assert "You must call one of the tools now." in messages[0]["content"]
     assert with_instructions([{"role": "user", "content": "x"}], request, native_tools=True)[0]["role"] == "user"
+
+
+def test_with_a_schema_the_instructions_ask_for_the_answer_as_its_value() -> None:
+    """Tools in ``auto`` and tool results in the history: the answer instructions say plain text, or, where a
+    ``response_format`` asks for a value, that value (they contradicted the schema's instruction before:
+    measured, 11 -> 8 answer turns on 24 create_agent tasks, docs/agents.md)."""
+    history = [{"role": "user", "content": "6*7?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    free = with_instructions(history, structured_request(TOOLS), native_tools=False)[0]["content"]
+    valued = with_instructions(history, structured_request(TOOLS, None, SCHEMA), native_tools=False)[0]["content"]
+    assert ANSWER_INSTRUCTIONS in free and NO_TOOL_TEXT in free and "plain text" not in valued
+    assert VALUE_ANSWER_INSTRUCTIONS in valued and NO_TOOL_VALUE in valued and '"city"' in valued
+    assert valued.index(VALUE_ANSWER_INSTRUCTIONS) < valued.index("matches this JSON Schema")  # "described below"
 
 
 def test_parse_output_reads_calls_text_and_values() -> None:

@@ -44,7 +44,7 @@ from ensemble_core.errors import InputError, InvalidOptionError
 
 __all__ = [
     "ANSWER_INSTRUCTIONS", "CALL_TAG", "CallDelta", "JSON_INSTRUCTIONS", "SCHEMA_INSTRUCTIONS", "TOOL_CHOICES",
-    "TOOL_INSTRUCTIONS",
+    "TOOL_INSTRUCTIONS", "VALUE_ANSWER_INSTRUCTIONS",
     "ReplyStream", "StructuredOutput", "StructuredRequest", "ToolCall", "function_spec", "json_sequence",
     "parse_output", "reply_content", "schema_of", "structured_request", "tool_instructions", "with_instructions",
 ]
@@ -62,6 +62,14 @@ TOOL_INSTRUCTIONS = (
 #: ``auto`` request: the bundled members' failure mode in agents is calling again instead of answering.
 ANSWER_INSTRUCTIONS = ("Tool results are in the conversation above. If they answer the question, reply in plain "
                        "text with the answer; do not call a tool again for a result you already have.")
+#: :data:`ANSWER_INSTRUCTIONS` where a ``response_format`` asks for the answer as a JSON value ("plain text" would
+#: contradict the schema's instruction that follows).
+VALUE_ANSWER_INSTRUCTIONS = ("Tool results are in the conversation above. If they answer the question, reply with "
+                             "the answer as the JSON object described below; do not call a tool again for a result "
+                             "you already have.")
+#: When no tool is needed (``auto``), without and with a ``response_format``.
+NO_TOOL_TEXT = "If no tool is needed, answer in plain text."
+NO_TOOL_VALUE = "If no tool is needed, answer with the JSON object described below."
 SCHEMA_INSTRUCTIONS = "Answer with one JSON object that matches this JSON Schema, and nothing else:\n{schema}"
 #: ``response_format={"type": "json_object"}``: any object (a schema of ``{}`` would only confuse a small model).
 JSON_INSTRUCTIONS = "Answer with one JSON object, and nothing else."
@@ -180,7 +188,7 @@ def tool_instructions(request: StructuredRequest) -> str:
     elif request.choice not in ("auto", "none"):
         when = f"You must call the tool {request.choice!r} now."
     else:
-        when = "If no tool is needed, answer in plain text."
+        when = NO_TOOL_TEXT if request.schema is None else NO_TOOL_VALUE
     return TOOL_INSTRUCTIONS.format(tools="\n".join(lines), when=when)
 
 
@@ -188,13 +196,14 @@ def with_instructions(messages: list[dict[str, Any]], request: StructuredRequest
     """``messages`` with the request's instructions added to the (first) system message.
 
     Members whose template does not render tools get :func:`tool_instructions`; in ``auto``
-    mode with tool results in the history every member gets :data:`ANSWER_INSTRUCTIONS`.
+    mode with tool results in the history every member gets :data:`ANSWER_INSTRUCTIONS` (with a
+    ``response_format``, :data:`VALUE_ANSWER_INSTRUCTIONS`: the answer is the schema's value).
     """
     parts = []
     if request.tools and request.choice != "none" and not native_tools:
         parts.append(tool_instructions(request))
     if request.tools and request.choice == "auto" and any(m.get("role") == "tool" for m in messages):
-        parts.append(ANSWER_INSTRUCTIONS)
+        parts.append(ANSWER_INSTRUCTIONS if request.schema is None else VALUE_ANSWER_INSTRUCTIONS)
     if request.schema is not None and not request.forced_call:
         parts.append(SCHEMA_INSTRUCTIONS.format(schema=json.dumps(request.schema, ensure_ascii=False))
                      if request.schema else JSON_INSTRUCTIONS)

@@ -8,6 +8,10 @@ answer parsed and holds the tool's result, the calls, the model turns, the answe
 and the seconds. One JSON line per run on stdout:
 
     .venv/bin/python docs/results/agents/value_or_calls_ab.py safe,single 1,4,8,13,18,19,21,23
+
+A third argument ``prompt`` A/Bs the answer instructions instead (the rule on in both arms): the system prompt's
+"reply in plain text" / "answer in plain text" where a schema is asked for (before) against the value's own
+wording (``VALUE_ANSWER_INSTRUCTIONS``, ``NO_TOOL_VALUE``); ``rule`` in the records is then the new wording.
 """
 import importlib.util
 import json
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import ensemble_core.decoding.view as view
 import ensemble_core.serving.runtime as runtime
-from ensemble_core.constraints import lazy
+from ensemble_core.constraints import lazy, structured
 
 HERE = Path(__file__).resolve().parent
 spec = importlib.util.spec_from_file_location("agent_suite", HERE / "agent_suite.py")
@@ -54,6 +58,9 @@ def counted(first, answer):  # noqa: ANN001, ANN201
 runtime.answered = counted
 configs = sys.argv[1].split(",")
 ids = [int(x) for x in sys.argv[2].split(",")]
+ab = sys.argv[3] if len(sys.argv) > 3 else "rule"
+WORDING = {True: (structured.VALUE_ANSWER_INSTRUCTIONS, structured.NO_TOOL_VALUE),
+           False: (structured.ANSWER_INSTRUCTIONS, structured.NO_TOOL_TEXT)}
 tasks = {t.id: t for t in suite.TASKS}
 chats = {name: ChatEnsemble(members=suite.CONFIGS[name]["members"], method=suite.CONFIGS[name]["method"],
                             max_tokens=80) for name in configs}
@@ -61,7 +68,10 @@ for tid in ids:
     task = tasks[tid]
     for name in configs:
         for rule in (True, False):
-            view.lazy_calls = lazy.lazy_calls if rule else without_rule
+            if ab == "rule":
+                view.lazy_calls = lazy.lazy_calls if rule else without_rule
+            else:
+                structured.VALUE_ANSWER_INSTRUCTIONS, structured.NO_TOOL_VALUE = WORDING[rule]
             tools = [StructuredTool.from_function(suite.TOOLS[n]) for n in task.toolbox()]
             agent = create_agent(chats[name], tools, response_format=Answer)
             answer_turns[0] = 0
@@ -72,7 +82,7 @@ for tid in ids:
                 err = f"{type(e).__name__}: {str(e)[:150]}"
             sr = state.get("structured_response")
             ais = [m for m in state["messages"] if isinstance(m, AIMessage)]
-            print(json.dumps({"task": tid, "config": name, "rule": rule, "parsed": isinstance(sr, Answer),
+            print(json.dumps({"task": tid, "config": name, "ab": ab, "rule": rule, "parsed": isinstance(sr, Answer),
                               "has_result": bool(sr) and suite.has_result(sr.answer, task.result),
                               "answer": sr.answer if sr else None,
                               "calls": [(c["name"], c["args"]) for m in ais for c in m.tool_calls],
