@@ -30,26 +30,31 @@ class Answer(BaseModel):
     """The final answer to the user's question."""
     answer: str = Field(description="the answer in one sentence, with the tool's result")
 
-configs = sys.argv[1].split(",")
-ids = [int(x) for x in sys.argv[2].split(",")]
-tasks = {t.id: t for t in suite.TASKS}
-for tid in ids:
-    task = tasks[tid]
-    for name in configs:
-        cfg = suite.CONFIGS[name]
-        chat = ChatEnsemble(members=cfg["members"], method=cfg["method"], max_tokens=80)
-        tools = [StructuredTool.from_function(suite.TOOLS[n]) for n in task.toolbox()]
-        agent = create_agent(chat, tools, response_format=Answer)
-        t, err, state = time.time(), None, {"messages": []}
-        try:
-            state = agent.invoke({"messages": [HumanMessage(task.question)]}, {"recursion_limit": 8})
-        except Exception as e:  # noqa: BLE001 - recorded: the run did not parse
-            err = f"{type(e).__name__}: {str(e)[:150]}"
-        sr = state.get("structured_response")
-        ais = [m for m in state["messages"] if isinstance(m, AIMessage)]
-        rep = [len(m.response_metadata.get("repeated_tool_calls", [])) for m in ais]
-        print(json.dumps({"task": tid, "config": name, "parsed": isinstance(sr, Answer),
-                          "has_result": bool(sr) and suite.has_result(sr.answer, task.result),
-                          "answer": sr.answer if sr else None, "last": str(ais[-1].content)[:100] if ais else None,
-                          "calls": [(c["name"], c["args"]) for m in ais for c in m.tool_calls], "repeats": rep,
-                          "error": err, "s": round(time.time() - t, 1)}), flush=True)
+def run(chat: ChatEnsemble, task: "suite.Task") -> dict:
+    """One ``create_agent(chat, task's tools, response_format=Answer)`` run of ``task``: its record."""
+    tools = [StructuredTool.from_function(suite.TOOLS[n]) for n in task.toolbox()]
+    agent = create_agent(chat, tools, response_format=Answer)
+    t, err, state = time.time(), None, {"messages": []}
+    try:
+        state = agent.invoke({"messages": [HumanMessage(task.question)]}, {"recursion_limit": 8})
+    except Exception as e:  # noqa: BLE001 - recorded: the run did not parse
+        err = f"{type(e).__name__}: {str(e)[:150]}"
+    sr = state.get("structured_response")
+    ais = [m for m in state["messages"] if isinstance(m, AIMessage)]
+    return {"task": task.id, "parsed": isinstance(sr, Answer),
+            "has_result": bool(sr) and suite.has_result(sr.answer, task.result),
+            "answer": sr.answer if sr else None, "last": str(ais[-1].content)[:100] if ais else None,
+            "calls": [(c["name"], c["args"]) for m in ais for c in m.tool_calls],
+            "repeats": [len(m.response_metadata.get("repeated_tool_calls", [])) for m in ais],
+            "model_turns": len(ais), "error": err, "s": round(time.time() - t, 1)}
+
+
+if __name__ == "__main__":
+    configs = sys.argv[1].split(",")
+    ids = [int(x) for x in sys.argv[2].split(",")]
+    tasks = {t.id: t for t in suite.TASKS}
+    for tid in ids:
+        for name in configs:
+            cfg = suite.CONFIGS[name]
+            chat = ChatEnsemble(members=cfg["members"], method=cfg["method"], max_tokens=80)
+            print(json.dumps({"config": name, **run(chat, tasks[tid])}), flush=True)

@@ -16,7 +16,6 @@ wording (``VALUE_ANSWER_INSTRUCTIONS``, ``NO_TOOL_VALUE``); ``rule`` in the reco
 import importlib.util
 import json
 import sys
-import time
 from pathlib import Path
 
 import ensemble_core.decoding.view as view
@@ -24,20 +23,11 @@ import ensemble_core.serving.runtime as runtime
 from ensemble_core.constraints import lazy, structured
 
 HERE = Path(__file__).resolve().parent
-spec = importlib.util.spec_from_file_location("agent_suite", HERE / "agent_suite.py")
-suite = importlib.util.module_from_spec(spec)
-sys.modules["agent_suite"] = suite
-spec.loader.exec_module(suite)
-from langchain.agents import create_agent  # noqa: E402
-from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
-from langchain_core.tools import StructuredTool  # noqa: E402
+spec = importlib.util.spec_from_file_location("create_agent_response_format", HERE / "create_agent_response_format.py")
+runs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(runs)  # loads the agent suite too (its tasks, tools and configurations)
+suite = runs.suite
 from langchain_ensemble import ChatEnsemble  # noqa: E402
-from pydantic import BaseModel, Field  # noqa: E402
-
-
-class Answer(BaseModel):
-    """The final answer to the user's question."""
-    answer: str = Field(description="the answer in one sentence, with the tool's result")
 
 
 def without_rule(request, messages, exclude_repeated=True, enabled=True):  # noqa: ANN001, ANN201
@@ -72,19 +62,7 @@ for tid in ids:
                 view.lazy_calls = lazy.lazy_calls if rule else without_rule
             else:
                 structured.VALUE_ANSWER_INSTRUCTIONS, structured.NO_TOOL_VALUE = WORDING[rule]
-            tools = [StructuredTool.from_function(suite.TOOLS[n]) for n in task.toolbox()]
-            agent = create_agent(chats[name], tools, response_format=Answer)
             answer_turns[0] = 0
-            t, err, state = time.time(), None, {"messages": []}
-            try:
-                state = agent.invoke({"messages": [HumanMessage(task.question)]}, {"recursion_limit": 8})
-            except Exception as e:  # noqa: BLE001 - recorded: the run did not parse
-                err = f"{type(e).__name__}: {str(e)[:150]}"
-            sr = state.get("structured_response")
-            ais = [m for m in state["messages"] if isinstance(m, AIMessage)]
-            print(json.dumps({"task": tid, "config": name, "ab": ab, "rule": rule, "parsed": isinstance(sr, Answer),
-                              "has_result": bool(sr) and suite.has_result(sr.answer, task.result),
-                              "answer": sr.answer if sr else None,
-                              "calls": [(c["name"], c["args"]) for m in ais for c in m.tool_calls],
-                              "model_turns": len(ais), "answer_turns": answer_turns[0], "error": err,
-                              "s": round(time.time() - t, 1)}), flush=True)
+            record = runs.run(chats[name], task)
+            print(json.dumps({"config": name, "ab": ab, "rule": rule, **record, "answer_turns": answer_turns[0]}),
+                  flush=True)
