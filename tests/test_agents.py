@@ -727,6 +727,36 @@ def test_real_langchain_create_agent_with_a_response_format() -> None:
 
 
 @pytest.mark.real
+def test_real_langgraph_react_agent_with_a_response_format() -> None:
+    """LangGraph's ``create_react_agent(chat, tools, response_format=Model)``: the loop runs with the tools
+    (the answer in prose), then LangGraph asks ``chat.with_structured_output(Model)`` over the whole
+    conversation; the ensemble decodes that value under the schema, with the tool's result in it."""
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_ensemble import ChatEnsemble
+    from langgraph.prebuilt import create_react_agent
+    from pydantic import BaseModel, Field
+
+    class Product(BaseModel):
+        """The product of two numbers and one sentence about it."""
+
+        value: float = Field(description="the product")
+        explanation: str
+
+    def multiply(a: float, b: float) -> float:
+        """Multiply two numbers."""
+        return a * b
+
+    chat = ChatEnsemble(members=["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"], method="safe", max_tokens=80)
+    state = create_react_agent(chat, [multiply], response_format=Product).invoke(
+        {"messages": [HumanMessage("What is 12 times 34?")]}, {"recursion_limit": 8})
+    calls = [c for m in state["messages"] if isinstance(m, AIMessage) for c in m.tool_calls]
+    assert [(c["name"], c["args"]) for c in calls] == [("multiply", {"a": 12, "b": 34})]
+    assert "408" in state["messages"][-1].content
+    answer = state["structured_response"]
+    assert isinstance(answer, Product) and answer.value == 408 and answer.explanation
+
+
+@pytest.mark.real
 def test_real_create_agent_reply_after_the_tool_is_the_schemas_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tools in ``auto`` and a ``response_format`` (``create_agent``'s ProviderStrategy), SAFE on the default
     pair: after ``multiply`` returned 408, Qwen2.5-Coder-0.5B's first choice was to write the schema back
