@@ -757,6 +757,38 @@ def test_real_langgraph_react_agent_with_a_response_format() -> None:
 
 
 @pytest.mark.real
+def test_real_create_agent_with_a_tool_strategy_returns_the_model() -> None:
+    """``create_agent(chat, tools, response_format=ToolStrategy(Model))`` forces a call every turn (the schema
+    is one more tool). SAFE on the default pair called ``multiply(12, 34)``, then, forced again, repeated it
+    until the recursion limit; the repeat is now asked again among the other tools, so the agent ends with
+    the model. (The call form fills the fields worse than the value form, docs/agents.md: here ``value``
+    may read 12; the ProviderStrategy default writes 408.)"""
+    from langchain.agents import create_agent
+    from langchain.agents.structured_output import ToolStrategy
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_ensemble import ChatEnsemble
+    from pydantic import BaseModel, Field
+
+    class Product(BaseModel):
+        """The product of two numbers and one sentence about it."""
+
+        value: float = Field(description="the product")
+        explanation: str
+
+    def multiply(a: float, b: float) -> float:
+        """Multiply two numbers."""
+        return a * b
+
+    chat = ChatEnsemble(members=["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"], method="safe", max_tokens=80)
+    state = create_agent(chat, [multiply], response_format=ToolStrategy(Product)).invoke(
+        {"messages": [HumanMessage("What is 12 times 34?")]}, {"recursion_limit": 8})
+    ais = [m for m in state["messages"] if isinstance(m, AIMessage)]
+    assert [(c["name"], c["args"]) for m in ais for c in m.tool_calls][0] == ("multiply", {"a": 12, "b": 34})
+    assert ais[-1].tool_calls[0]["name"] == "Product" and ais[-1].response_metadata["repeated_tool_calls"]
+    assert isinstance(state["structured_response"], Product)
+
+
+@pytest.mark.real
 def test_real_create_agent_reply_after_the_tool_is_the_schemas_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tools in ``auto`` and a ``response_format`` (``create_agent``'s ProviderStrategy), SAFE on the default
     pair: after ``multiply`` returned 408, Qwen2.5-Coder-0.5B's first choice was to write the schema back
@@ -781,7 +813,7 @@ def test_real_create_agent_reply_after_the_tool_is_the_schemas_value(monkeypatch
 
     asked: list[int] = []
     answer_request = runtime.answer_request
-    monkeypatch.setattr(runtime, "answer_request", lambda run: asked.append(1) or answer_request(run))
+    monkeypatch.setattr(runtime, "answer_request", lambda run, options: asked.append(1) or answer_request(run, options))
     chat = ChatEnsemble(members=["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"], method="safe", max_tokens=80)
     state = create_agent(chat, [multiply], response_format=Answer).invoke(
         {"messages": [HumanMessage("What is 12 times 34?")]}, {"recursion_limit": 8})

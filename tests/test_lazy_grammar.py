@@ -374,6 +374,12 @@ def multiply(a: float, b: float) -> float:
     return a * b
 
 
+@tool("capital")
+def capital_tool(country: str) -> str:
+    """The capital city of a country."""
+    return {"Peru": "Lima"}.get(country, "unknown")
+
+
 def repeater(prompt: str) -> str:
     """A member that calls, then repeats its call, and answers only when asked in a turn of its own."""
     return "6 times 7 is 42." if ANSWER_REQUEST in prompt else CALL
@@ -435,6 +441,58 @@ def test_answer_turn_under_a_response_format_is_parsed_and_reaches_create_agent(
         {"messages": [HumanMessage("6 times 7?")]}, {"recursion_limit": 6})
     assert state["structured_response"] == Product(value=42)
     assert state["messages"][-1].response_metadata["repeated_tool_calls"][0]["name"] == "multiply"
+
+
+def forced_repeater(prompt: str) -> str:
+    """Under a forced call: calls multiply, repeats it once its result is in, and calls capital when the answer is
+    asked for (the only other tool then)."""
+    return '{"name": "capital", "arguments": {"country": "Peru"}}' if ANSWER_REQUEST in prompt else CALL
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_reply_of_repeats_is_asked_again_among_the_other_tools(stream: bool) -> None:
+    """``tool_choice="required"`` (LangChain's ToolStrategy forces a call each turn): a reply that only repeats an
+    answered call is asked again with the other tools, still forced; the repeat goes to the metadata. With one
+    tool only, the repeat is the call the caller forced and stands."""
+    member_ = scripted_member(SMOL, forced_repeater, f"forced-repeater-{stream}")
+    chat = ChatEnsemble(members=[member_], method="single", max_tokens=48)
+    history = [HumanMessage("6 times 7?"), AIMessage(content="", tool_calls=[{"name": "multiply", "args": {"a": 6, "b": 7},
+                                                                              "id": "c1"}]),
+               ToolMessage(content="42", tool_call_id="c1")]
+    both = chat.bind_tools([multiply, capital_tool], tool_choice="any")
+    message = functools.reduce(operator.add, both.stream(history)) if stream else both.invoke(history)
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [("capital", {"country": "Peru"})]
+    assert message.response_metadata["repeated_tool_calls"][0]["name"] == "multiply" and message.content == ""
+    assert len(member_.model.prompts) == 2 and ANSWER_REQUEST in member_.model.prompts[-1]
+    alone = scripted_member(SMOL, forced_repeater, f"forced-alone-{stream}")
+    only = ChatEnsemble(members=[alone], method="single", max_tokens=48).bind_tools([multiply], tool_choice="any")
+    kept = only.invoke(history)
+    assert [c["name"] for c in kept.tool_calls] == ["multiply"] and len(alone.model.prompts) == 1
+
+
+def structured_repeater(prompt: str) -> str:
+    """A member that repeats its call until asked for the answer, then calls the response format's tool."""
+    return '{"name": "Product", "arguments": {"value": 42}}' if ANSWER_REQUEST in prompt else CALL
+
+
+def test_create_agent_with_a_tool_strategy_ends_where_the_member_repeats_its_call() -> None:
+    """LangChain's ``create_agent(..., response_format=ToolStrategy(Model))`` forces a call every turn; the member's
+    repeated call would loop the agent to its recursion limit; asked again among the other tools, it calls the
+    response format's tool and the agent returns the model."""
+    from langchain.agents import create_agent
+    from langchain.agents.structured_output import ToolStrategy
+    from pydantic import BaseModel
+
+    class Product(BaseModel):
+        value: float
+
+    chat = ChatEnsemble(members=[scripted_member(SMOL, structured_repeater, "tool-strategy")], method="single",
+                        max_tokens=48)
+    state = create_agent(chat, [multiply], response_format=ToolStrategy(Product)).invoke(
+        {"messages": [HumanMessage("6 times 7?")]}, {"recursion_limit": 8})
+    assert state["structured_response"] == Product(value=42)
+    calls = [c["name"] for m in state["messages"] if isinstance(m, AIMessage) for c in m.tool_calls]
+    assert calls == ["multiply", "Product"]
 
 
 def prose_then_repeat(prompt: str) -> str:

@@ -82,6 +82,8 @@ class GenerationConfig:
     #: the history (or to that call fed its own result, or to an earlier call of the reply) makes the
     #: member answer after it, and the adapters drop it from the calls, so an agent gets an answer
     #: instead of the same call until its step limit (:mod:`ensemble_core.constraints.lazy`).
+    #: ``"required"``: a reply of such calls only is asked again among the other tools
+    #: (:func:`ensemble_core.serving.runtime.settle_calls`).
     exclude_repeated_calls: bool = True
     #: The papers' exact settings for every option left at its default (uniform votes, UniTE's
     #: published scoring, one token per drafter pass, drafts of ``lookahead`` tokens), where the

@@ -256,52 +256,88 @@ def clear_shared() -> None:
         _ENSEMBLES.clear()
 
 
-def settle_calls(result: GenerationResult, prompt: Prompt, config: GenerationConfig) -> bool:
-    """Drop from ``result`` the calls that repeat an answered call (``exclude_repeated_calls``, the default,
-    ``tool_choice="auto"`` only: a forced call is what the caller asked for); True when the answer must be
-    asked for in a turn of its own (:func:`settle`): the reply then holds no call and no text (or, under a
-    schema, only text that is not its value, written before the repeated call), or, with a
-    ``response_format`` next to the tools (LangChain's ``create_agent(..., response_format=Model)``), it
-    holds no call and is not a value of the schema. The second is rare since the lazy grammar holds such a
-    reply to the value or calls (:mod:`ensemble_core.constraints.lazy`, "A value or calls"); it remains for
-    text that left the rule (``lazy_tool_grammar=False``, text committed without the mask) and a value cut
-    by the budget: the answer turn decodes under the schema's grammar from its first token.
+def settle_calls(result: GenerationResult, prompt: Prompt, config: GenerationConfig) -> dict[str, Any] | None:
+    """Drop from ``result`` the calls that repeat an answered call (``exclude_repeated_calls``, the default);
+    return the options of the turn of its own in which the answer must be asked for (:func:`settle`), or
+    None when the result stands.
+
+    ``tool_choice="auto"``: the answer turn offers no tools (``tool_choice="none"``) when the reply holds
+    no call and no text (or, under a schema, only text that is not its value, written before the
+    repeated call), or, with a ``response_format`` next to the tools (LangChain's
+    ``create_agent(..., response_format=Model)``), when it holds no call and is not a value of the schema.
+    The second is rare since the lazy grammar holds such a reply to the value or calls
+    (:mod:`ensemble_core.constraints.lazy`, "A value or calls"); it remains for text that left the rule
+    (``lazy_tool_grammar=False``, text committed without the mask) and a value cut by the budget: the
+    answer turn decodes under the schema's grammar from its first token.
+
+    A forced call of any tool (``"required"``): a reply whose every call repeats an answered one would loop
+    an agent that forces calls until one of them ends it (LangChain's ``create_agent(...,
+    response_format=ToolStrategy(Model))`` offers the schema as one more tool under ``"any"``; the bundled
+    members called ``multiply(12, 34)`` again until the recursion limit). The call is asked for again
+    among the tools not repeated, still forced; when no other tool is left the repeat stands (a call is
+    what the caller asked for). A forced call of one named tool is never asked again.
     """
     structured, request = result.structured, config.structured
-    if not (request.choice == "auto" and request.tools and structured is not None):
-        return False
+    if not request.tools or structured is None:
+        return None
+    if request.choice == "required":
+        return _forced_again(structured, prompt, request) if config.exclude_repeated_calls else None
+    if request.choice != "auto":
+        return None
     if config.exclude_repeated_calls:
         dropped = drop_repeated_calls(structured, prompt)
         if dropped and not structured.tool_calls and (not structured.content.strip() or (
                 request.schema is not None and read_value(structured.content.strip(), request.schema).parse_error)):
-            return True  # nothing left, or only text before the repeat where a schema's value was asked for
-    return (request.schema is not None and not structured.tool_calls and not structured.invalid_tool_calls
-            and not structured.repeated_tool_calls and structured.parse_error is not None)
+            return {"tool_choice": "none"}  # nothing left, or only text before the repeat where a value was asked for
+    if (request.schema is not None and not structured.tool_calls and not structured.invalid_tool_calls
+            and not structured.repeated_tool_calls and structured.parse_error is not None):
+        return {"tool_choice": "none"}
+    return None
 
 
-def answer_request(run: Run) -> Run:
-    """The run that asks for the answer after a reply that only repeated answered calls.
+def _forced_again(structured: StructuredOutput, prompt: Prompt, request: Any) -> dict[str, Any] | None:
+    """The options that force a call of another tool after a forced reply of repeats only (:func:`settle_calls`)."""
+    dropped = drop_repeated_calls(structured, prompt)
+    if not dropped or structured.tool_calls:
+        return None
+    repeated = {call.name for call in dropped}
+    others = [{"type": "function", "function": tool} for tool in request.tools if tool["name"] not in repeated]
+    if not others:  # only the repeated tools are offered: the repeat is the call the caller forced
+        structured.tool_calls[:] = dropped
+        del structured.repeated_tool_calls[-len(dropped):]
+        return None
+    return {"tools": others, "tool_choice": "required"}
+
+
+def answer_request(run: Run, options: Mapping[str, Any]) -> Run:
+    """The run that asks for the answer after a reply that only repeated answered calls (or, in ``auto``
+    with a schema, was not its value).
 
     The same conversation, one more user turn (:data:`~ensemble_core.constraints.lazy.ANSWER_REQUEST`),
-    the same options with ``tool_choice="none"`` (the tools are not offered and call-shaped text
-    is masked): the bundled members answer there, where right after their own repeated call
-    they wrote timestamps (:mod:`ensemble_core.constraints.lazy`).
+    the same options with ``options`` (:func:`settle_calls`'s) over them: in ``auto``
+    ``tool_choice="none"`` (the tools are not offered and call-shaped text is masked): the bundled members
+    answer there, where right after their own repeated call they wrote timestamps
+    (:mod:`ensemble_core.constraints.lazy`); under a forced call, the tools not repeated.
     """
     messages = [*normalize_messages(run.stream.prompt), {"role": "user", "content": ANSWER_REQUEST}]
-    return Run(run.ensemble, messages, {**run.overrides, "tool_choice": "none"}, run.timeout)
+    return Run(run.ensemble, messages, {**run.overrides, **options}, run.timeout)
 
 
 def answered(first: GenerationResult, answer: GenerationResult) -> GenerationResult:
     """One result for the two runs: the answer's text, finish and value (under a ``response_format``, the
-    answer turn decodes under the schema's grammar: its ``parsed`` / ``parse_error``), both runs' tokens
-    and seconds, and the repeated calls of the first."""
+    answer turn decodes under the schema's grammar: its ``parsed`` / ``parse_error``) or, where a call was
+    forced, its calls; both runs' tokens and seconds, and the repeated calls of the first."""
     repeated = list(first.structured.repeated_tool_calls) if first.structured is not None else []
     value = answer.structured
+    if value is not None and (value.tool_calls or value.invalid_tool_calls):
+        structured = dataclasses.replace(value, repeated_tool_calls=[*repeated, *value.repeated_tool_calls])
+    else:
+        structured = StructuredOutput(answer.text, parsed=value.parsed if value else None,
+                                      parse_error=value.parse_error if value else None, repeated_tool_calls=repeated)
     return dataclasses.replace(
         answer, prompt_tokens=first.prompt_tokens + answer.prompt_tokens,
         completion_tokens=first.completion_tokens + answer.completion_tokens, seconds=first.seconds + answer.seconds,
-        structured=StructuredOutput(answer.text, parsed=value.parsed if value else None,
-                                    parse_error=value.parse_error if value else None, repeated_tool_calls=repeated))
+        structured=structured)
 
 
 def settle(run: Run) -> GenerationResult:
@@ -310,18 +346,20 @@ def settle(run: Run) -> GenerationResult:
     its reply through it; :meth:`Run.replies` does the same while streaming."""
     result = run.result
     assert result is not None
-    if not settle_calls(result, run.stream.prompt, run.stream.config):
+    options = settle_calls(result, run.stream.prompt, run.stream.config)
+    if options is None:
         return result
-    return answered(result, answer_request(run).run())
+    return answered(result, answer_request(run, options).run())
 
 
 async def asettle(run: Run) -> GenerationResult:
     """:func:`settle` with the answer generated in a worker thread."""
     result = run.result
     assert result is not None
-    if not settle_calls(result, run.stream.prompt, run.stream.config):
+    options = settle_calls(result, run.stream.prompt, run.stream.config)
+    if options is None:
         return result
-    return answered(result, await answer_request(run).arun())
+    return answered(result, await answer_request(run, options).arun())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,7 +507,8 @@ class Run:
         answer = self._answer_run()
         if answer is not None:  # only repeated calls: the answer, asked for in a turn of its own
             for delta in answer:
-                yield shown.answer(delta)
+                if not answer.calls_only:
+                    yield shown.answer(delta)
             self._answered(answer)
         yield self._last_reply(shown, answered=answer is not None)
 
@@ -484,14 +523,16 @@ class Run:
         if answer is not None:
             async with aclosing(answer.astream()) as deltas:
                 async for delta in deltas:
-                    yield shown.answer(delta)
+                    if not answer.calls_only:
+                        yield shown.answer(delta)
             self._answered(answer)
         yield self._last_reply(shown, answered=answer is not None)
 
     def _answer_run(self) -> Run | None:
         """The run that asks for the answer when the finished reply only repeated answered calls, else None."""
         assert self.result is not None
-        return answer_request(self) if settle_calls(self.result, self.stream.prompt, self.stream.config) else None
+        options = settle_calls(self.result, self.stream.prompt, self.stream.config)
+        return None if options is None else answer_request(self, options)
 
     def _answered(self, answer: Run) -> None:
         assert self.result is not None and answer.result is not None
@@ -506,11 +547,19 @@ class Run:
         if hold is None:
             return ReplyChunk("", shown.text, result)
         calls = tuple(hold.finish(result.structured))
+        if answered and result.structured is not None and (result.structured.tool_calls
+                                                           or result.structured.invalid_tool_calls):
+            return ReplyChunk("", shown.text, result, calls)  # the answer turn forced a call: its pieces, no text
         if not answered:
             content = hold.content(result.text, result.structured)
             return ReplyChunk(hold.rest(content), content, result, calls)
         content = result.text
         return ReplyChunk(content[len(shown.text):] if content.startswith(shown.text) else "", content, result, calls)
+
+    @property
+    def calls_only(self) -> bool:
+        """Whether the reply can only be calls (a forced call): its text is never content."""
+        return self.stream.config.structured.forced_call
 
     def run(self) -> GenerationResult:
         """Generate to the end (blocking) and return the result."""
