@@ -391,6 +391,13 @@ def multiply(a: float, b: float) -> float:
     return a * b
 
 
+class Product(BaseModel):
+    """The product of two numbers and one sentence about it (the real structured-agent tests' answer)."""
+
+    value: float = Field(description="the product")
+    explanation: str
+
+
 @tool
 def add(a: float, b: float) -> float:
     """Add two numbers."""
@@ -704,17 +711,6 @@ def test_real_langchain_create_agent_with_a_response_format() -> None:
     from langchain.agents import create_agent
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
     from langchain_ensemble import ChatEnsemble
-    from pydantic import BaseModel, Field
-
-    class Product(BaseModel):
-        """The product of two numbers and one sentence about it."""
-
-        value: float = Field(description="the product")
-        explanation: str
-
-    def multiply(a: float, b: float) -> float:
-        """Multiply two numbers."""
-        return a * b
 
     chat = ChatEnsemble(members=["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"], method="safe", max_tokens=80)
     agent = create_agent(chat, [multiply], response_format=Product)
@@ -734,17 +730,6 @@ def test_real_langgraph_react_agent_with_a_response_format() -> None:
     from langchain_core.messages import AIMessage, HumanMessage
     from langchain_ensemble import ChatEnsemble
     from langgraph.prebuilt import create_react_agent
-    from pydantic import BaseModel, Field
-
-    class Product(BaseModel):
-        """The product of two numbers and one sentence about it."""
-
-        value: float = Field(description="the product")
-        explanation: str
-
-    def multiply(a: float, b: float) -> float:
-        """Multiply two numbers."""
-        return a * b
 
     chat = ChatEnsemble(members=["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"], method="safe", max_tokens=80)
     state = create_react_agent(chat, [multiply], response_format=Product).invoke(
@@ -767,17 +752,6 @@ def test_real_create_agent_with_a_tool_strategy_returns_the_model() -> None:
     from langchain.agents.structured_output import ToolStrategy
     from langchain_core.messages import AIMessage, HumanMessage
     from langchain_ensemble import ChatEnsemble
-    from pydantic import BaseModel, Field
-
-    class Product(BaseModel):
-        """The product of two numbers and one sentence about it."""
-
-        value: float = Field(description="the product")
-        explanation: str
-
-    def multiply(a: float, b: float) -> float:
-        """Multiply two numbers."""
-        return a * b
 
     chat = ChatEnsemble(members=["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"], method="safe", max_tokens=80)
     state = create_agent(chat, [multiply], response_format=ToolStrategy(Product)).invoke(
@@ -807,10 +781,6 @@ def test_real_create_agent_reply_after_the_tool_is_the_schemas_value(monkeypatch
 
         answer: str = Field(description="the answer in one sentence, with the tool's result")
 
-    def multiply(a: float, b: float) -> float:
-        """Multiply two numbers."""
-        return a * b
-
     asked: list[int] = []
     answer_request = runtime.answer_request
     monkeypatch.setattr(runtime, "answer_request", lambda run, options: asked.append(1) or answer_request(run, options))
@@ -828,19 +798,9 @@ async def test_real_llamaindex_function_agent_with_output_cls() -> None:
     SmolLM2): the agent calls the tool, then asks ``as_structured_llm(Model)`` for the value over the
     conversation, which ``EnsembleLLM`` decodes under the model's schema (as a call of a tool named
     ``Product``, LlamaIndex's function program, the same members wrote ``"value": 12``)."""
-    class Product(BaseModel):
-        """The product of two numbers and one sentence about it."""
-
-        value: float = Field(description="the product")
-        explanation: str
-
-    def multiply(a: float, b: float) -> float:
-        """Multiply two numbers."""
-        return a * b
-
     llm = EnsembleLLM(members=["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"], method="safe",
                       max_new_tokens=80)
-    agent = FunctionAgent(tools=[FunctionTool.from_defaults(multiply)], llm=llm, output_cls=Product)
+    agent = FunctionAgent(tools=[FunctionTool.from_defaults(multiply.func)], llm=llm, output_cls=Product)
     output = await agent.run(user_msg="What is 12 times 34?")
     assert [(c.tool_name, c.tool_kwargs) for c in output.tool_calls] == [("multiply", {"a": 12, "b": 34})]
     assert output.structured_response is not None, "the structured step failed (FunctionAgent only warns)"
