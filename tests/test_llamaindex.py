@@ -23,6 +23,7 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 from llama_index.llms.ensemble import EnsembleLLM, default_context_margin, shared_ensemble
 from llama_index.llms.ensemble.messages import to_core_messages
+from llamaindex_events import Events
 from pydantic import BaseModel, Field
 
 from ensemble_core import (
@@ -235,42 +236,11 @@ def test_tool_calls_come_back_as_blocks_and_round_trip(tiny_llm: EnsembleLLM) ->
         tiny_llm.get_tool_calls_from_response(text)
 
 
-class _Events:
-    """LlamaIndex's instrumentation, listened to: what each chat call was asked, which structured events fired."""
-
-    def __init__(self) -> None:
-        from llama_index.core.instrumentation import get_dispatcher
-        from llama_index.core.instrumentation.event_handlers import BaseEventHandler
-
-        seen: list = []
-
-        class Handler(BaseEventHandler):
-            def handle(self, event, **kwargs) -> None:  # noqa: ANN001 - LlamaIndex's signature
-                seen.append(event)
-
-        self.seen, self.handler, self.dispatcher = seen, Handler(), get_dispatcher()
-
-    def __enter__(self) -> _Events:
-        self.dispatcher.add_event_handler(self.handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.dispatcher.event_handlers.remove(self.handler)
-
-    def chat_kwargs(self) -> list[dict]:
-        from llama_index.core.instrumentation.events.llm import LLMChatStartEvent
-
-        return [e.additional_kwargs for e in self.seen if isinstance(e, LLMChatStartEvent)]
-
-    def kinds(self) -> set[str]:
-        return {type(e).__name__ for e in self.seen}
-
-
 def test_structured_predict_and_structured_llm(tiny_llama: Member, tiny_gemma: Member) -> None:
     """The default program mode decodes the value under the class's schema (no tool offered); "function" is
     LlamaIndex's FunctionCallingProgram (a forced call of a tool named after the class); both give a Kind."""
     llm = EnsembleLLM(members=[tiny_llama, tiny_gemma], method="single", max_new_tokens=80)
-    with _Events() as events:
+    with Events() as events:
         kind = llm.structured_predict(Kind, PromptTemplate("Describe {pet}."), pet="my cat")
         assert isinstance(kind, Kind)
         asked = events.chat_kwargs()[-1]
@@ -293,7 +263,7 @@ def test_structured_streams_and_async(tiny_llama: Member) -> None:
     async); LlamaIndex's instrumentation sees the start, progress and end events."""
     llm = EnsembleLLM(members=[tiny_llama], method="single", max_new_tokens=80)
     prompt = PromptTemplate("Describe {pet}.")
-    with _Events() as events:
+    with Events() as events:
         parts = list(llm.stream_structured_predict(Kind, prompt, pet="my cat"))
         assert len(parts) > 1 and isinstance(parts[-1], Kind)
         assert not isinstance(parts[0], Kind)  # a partial (Flexible) value first

@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
 from llama_index.core.base.llms.types import MessageRole
-from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler
-from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMChatStartEvent, LLMCompletionEndEvent
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMChatStartEvent
 from llama_index.embeddings.ensemble import LocalSentenceEmbedding
 from llama_index.llms.ensemble import EnsembleLLM
+from llamaindex_events import Events
 
 DOCS = Path(__file__).parent / "data" / "rag"
 PAIR = ["smollm2-135m-instruct", "gemma3-270m"]
@@ -28,29 +27,10 @@ QUESTION = "Who was the last keeper of the Varnholm lighthouse?"
 pytestmark = pytest.mark.real
 
 
-class Recorder(BaseEventHandler):
-    """Collects LLM start / end instrumentation events (what the query engine sent and got)."""
-
-    events: list = []
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "Recorder"
-
-    def handle(self, event, **kwargs) -> None:
-        if isinstance(event, (LLMChatStartEvent, LLMChatEndEvent, LLMCompletionEndEvent)):
-            self.events.append(event)
-
-
 @pytest.fixture
 def recorder():
-    dispatcher = get_dispatcher()  # the root: every llama_index event propagates here
-    handler = Recorder(events=[])
-    dispatcher.add_event_handler(handler)
-    try:
-        yield handler
-    finally:
-        dispatcher.event_handlers.remove(handler)
+    with Events() as events:
+        yield events
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +68,13 @@ def test_packaged_minilm_embeds_sensibly_offline(embed_model: LocalSentenceEmbed
 
 
 def test_query_engine_answers_with_sources_from_the_ensemble(index: VectorStoreIndex, llm: EnsembleLLM,
-                                                             recorder: Recorder) -> None:
+                                                             recorder: Events) -> None:
     engine = index.as_query_engine(llm=llm, similarity_top_k=2)
     response = engine.query(QUESTION)
     assert [n.metadata["file_name"] for n in response.source_nodes][0] == "lighthouse.txt"
     assert len(response.source_nodes) == 2
-    starts = [e for e in recorder.events if isinstance(e, LLMChatStartEvent)]
-    ends = [e for e in recorder.events if isinstance(e, LLMChatEndEvent)]
+    starts = recorder.of(LLMChatStartEvent)
+    ends = recorder.of(LLMChatEndEvent)
     assert len(starts) == len(ends) == 1  # compact mode: one LLM call over the retrieved context
     sent = starts[0].messages  # LlamaIndex's chat QA prompt: a system message, then the context and question
     assert [m.role for m in sent] == [MessageRole.SYSTEM, MessageRole.USER]
@@ -105,18 +85,18 @@ def test_query_engine_answers_with_sources_from_the_ensemble(index: VectorStoreI
     assert str(response) == answer.message.content.strip() != ""
 
 
-async def test_streaming_async_query_engine(index: VectorStoreIndex, llm: EnsembleLLM, recorder: Recorder) -> None:
+async def test_streaming_async_query_engine(index: VectorStoreIndex, llm: EnsembleLLM, recorder: Events) -> None:
     engine = index.as_query_engine(llm=llm, similarity_top_k=1, streaming=True)
     response = await engine.aquery(QUESTION)
     deltas = [d async for d in response.async_response_gen()]
     assert response.source_nodes[0].metadata["file_name"] == "lighthouse.txt"
-    ends = [e for e in recorder.events if isinstance(e, LLMChatEndEvent)]
+    ends = recorder.of(LLMChatEndEvent)
     assert len(ends) == 1 and ends[0].response.raw["stats"]["method"] == METHOD
     assert "".join(deltas) == ends[0].response.message.content != ""
 
 
 def test_query_engine_with_an_output_cls_returns_the_model(index: VectorStoreIndex, llm: EnsembleLLM,
-                                                           recorder: Recorder) -> None:
+                                                           recorder: Events) -> None:
     """``as_query_engine(output_cls=Model)``: the synthesizer asks ``structured_predict`` for the value,
     which the ensemble decodes under the model's schema (one chat call, ``response_format`` set)."""
     from llama_index.core.base.response.schema import PydanticResponse
@@ -132,5 +112,5 @@ def test_query_engine_with_an_output_cls_returns_the_model(index: VectorStoreInd
     response = engine.query(QUESTION)
     assert isinstance(response, PydanticResponse) and isinstance(response.response, Keeper)
     assert "Solberg" in response.response.name
-    starts = [e for e in recorder.events if isinstance(e, LLMChatStartEvent)]
+    starts = recorder.of(LLMChatStartEvent)
     assert len(starts) == 1 and starts[0].additional_kwargs["response_format"]["json_schema"]["name"] == "Keeper"
