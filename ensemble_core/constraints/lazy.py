@@ -399,17 +399,7 @@ class LazyState:
         below it: Qwen2.5-Coder-0.5B, held from writing the schema back (``{"description"``), ranked
         ``name`` above ``answer`` and made a stray call. The end of the reply waits for a complete value.
         Should nothing be allowed (text committed without the mask), the logits are free."""
-        text = bytes(self.buf)
-        keep = []
-        if self._call_may_follow(text, 0):
-            row = logits if logits.dim() == 1 else logits.max(dim=0).values
-            for i in torch.topk(row.float(), min(AFTER_CALL_TOP_K, row.shape[-1])).indices.tolist():
-                key = self.keys[i] if i < len(self.keys) else None
-                if not key:
-                    continue  # special tokens without text (the end of the reply is the value's to allow)
-                if not self._call_may_follow(text + key, 0):
-                    break  # the member prefers text that is not a call here: nothing below it starts one
-                keep.append(i)
+        keep = self._first_choice_calls(logits, 0) if self._call_may_follow(bytes(self.buf), 0) else []
         if self.value is None and not keep:
             return logits
         out = torch.full_like(logits, float("-inf")) if self.value is None else self.value.mask_logits(logits)
@@ -421,20 +411,28 @@ class LazyState:
         keep the text after the call whitespace or the start of another call and that the member ranks above
         every token that would not: a member that would go on in prose ends its reply instead of being pushed
         to its best other token (a call it did not choose)."""
-        row = logits if logits.dim() == 1 else logits.max(dim=0).values
-        top = torch.topk(row.float(), min(AFTER_CALL_TOP_K, row.shape[-1])).indices.tolist()
+        assert self.call_end is not None
         keep = [i for i in self.member.eos_token_ids if i < logits.shape[-1]]
-        text = bytes(self.buf)
-        for i in top:
-            key = self.keys[i] if i < len(self.keys) else None
-            if not key:
-                continue  # special tokens without text (the end of the reply is kept above)
-            if not self._after_call_ok(text + key):
-                break  # prose ranks here: nothing below it is kept
-            keep.append(i)
+        keep += self._first_choice_calls(logits, self.call_end)
         out = torch.full_like(logits, float("-inf"))
         out[..., keep] = logits[..., keep]
         return out
+
+    def _first_choice_calls(self, logits: torch.Tensor, start: int) -> list[int]:
+        """Of the member's :data:`AFTER_CALL_TOP_K` most likely tokens (best first), those that keep the text
+        from ``start`` whitespace then the start of a call, up to the first that does not: a call goes on only
+        where the member ranks it above any other text. Special tokens without text are skipped (the end of
+        the reply is the caller's to allow)."""
+        row = logits if logits.dim() == 1 else logits.max(dim=0).values
+        text, keep = bytes(self.buf), []
+        for i in torch.topk(row.float(), min(AFTER_CALL_TOP_K, row.shape[-1])).indices.tolist():
+            key = self.keys[i] if i < len(self.keys) else None
+            if not key:
+                continue
+            if not self._call_may_follow(text + key, start):
+                break  # other text ranks here: nothing below it starts a call
+            keep.append(i)
+        return keep
 
     def _after_call_ok(self, text: bytes) -> bool:
         """Whether ``text`` (the member's whole text) holds only whitespace after the last call, then at most
