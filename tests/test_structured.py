@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ensemble_core import Ensemble, InvalidOptionError, Member
-from ensemble_core.constraints.schemas import closed_schema
+from ensemble_core.constraints.schemas import closed_schema, schema_sketch
 from ensemble_core.constraints.structured import (
     ANSWER_INSTRUCTIONS,
     JSON_INSTRUCTIONS,
@@ -88,7 +88,7 @@ def test_with_a_schema_the_instructions_ask_for_the_answer_as_its_value() -> Non
     valued = with_instructions(history, structured_request(TOOLS, None, SCHEMA), native_tools=False)[0]["content"]
     assert ANSWER_INSTRUCTIONS in free and NO_TOOL_TEXT in free and "plain text" not in valued
     assert VALUE_ANSWER_INSTRUCTIONS in valued and NO_TOOL_VALUE in valued and '"city"' in valued
-    assert valued.index(VALUE_ANSWER_INSTRUCTIONS) < valued.index("matches this JSON Schema")  # "described below"
+    assert valued.index(VALUE_ANSWER_INSTRUCTIONS) < valued.index("of this form")  # "described below"
 
 
 def test_parse_output_reads_calls_text_and_values() -> None:
@@ -120,6 +120,52 @@ def test_json_mode_asks_for_an_object_without_showing_an_empty_schema() -> None:
     assert system == JSON_INSTRUCTIONS and "Schema" not in system
     schema = with_instructions([{"role": "user", "content": "x"}], StructuredRequest(schema=SCHEMA), False)[0]["content"]
     assert '"city"' in schema
+
+
+def test_a_schema_is_shown_as_the_value_it_asks_for() -> None:
+    """The system prompt shows a response format as its value's form, not as the JSON Schema: shown the
+    schema, Qwen2.5-Coder-0.5B wrote it back or took it for a tool (docs/agents.md, "The schema as a form")."""
+    system = with_instructions([{"role": "user", "content": "x"}], StructuredRequest(schema=SCHEMA), False)[0]["content"]
+    assert system == ('Answer with one JSON object of this form, and nothing else: {"city": "<string, at most 10 '
+                      'characters>", "unit": <one of "C", "F">, "ok": <true or false>}')
+    assert "properties" not in system and "Schema" not in system
+    described = {**SCHEMA, "description": "The weather  in one\n city."}  # a pydantic class's docstring
+    shown = with_instructions([{"role": "user", "content": "x"}], StructuredRequest(schema=described), False)
+    assert shown[0]["content"] == system + "\nThe weather in one city."
+    # a pydantic-style schema: descriptions, optional fields, $defs, lists with bounds, maps, patterns, unions
+    person = {"type": "object", "properties": {
+        "name": {"type": "string", "description": "the full  name,\n as written"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"anyOf": [{"type": "string", "format": "email"}, {"type": "null"}], "default": None}},
+        "required": ["name", "age"]}
+    order = {"$defs": {"Person": person, "Item": {
+        "type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]+$"}, "qty": {"type": "number"}},
+        "required": ["sku", "qty"], "additionalProperties": False}},
+        "type": "object", "properties": {
+            "customer": {"$ref": "#/$defs/Person"},
+            "items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "minItems": 1},
+            "tags": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "status": {"const": "open"}, "id": {"type": ["integer", "string"]}},
+        "required": ["customer", "items", "tags", "status", "id"]}
+    assert schema_sketch(order) == (
+        '{"customer": {"name": "<the full name, as written>", "age": <integer, 0 to 150>, '
+        '"email": "<string, email>" or null (optional)}, "items": [{"sku": "<string, matching ^[A-Z]+$>", '
+        '"qty": <number>}, ...] (at least 1 items), "tags": {"<key>": <integer>, ...}, "status": "open", '
+        '"id": <integer> or "<string>"}')
+    # a recursive model is followed once; anything else still gets a form
+    tree = {"$defs": {"T": {"type": "object", "properties": {"v": {"type": "integer"},
+                                                          "kids": {"type": "array", "items": {"$ref": "#/$defs/T"}}},
+                            "required": ["v"]}}, "$ref": "#/$defs/T"}
+    assert schema_sketch(tree) == '{"v": <integer>, "kids": [<T>, ...] (optional)}'
+    flags = {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}
+    assert schema_sketch(flags) == "[<true or false>, ...] (at most 3 items)"
+    assert schema_sketch({}) == "<any JSON value>" and schema_sketch({"$ref": "other.json"}) == "<other.json>"
+    assert schema_sketch({"enum": list(range(30))}) == "<one of " + ", ".join(map(str, range(20))) + ", ...>"
+    assert schema_sketch({"properties": {"a": 5}, "required": "a"}) == '{"a": <any JSON value, optional>}'  # no crash
+    long = "x " * 100
+    assert schema_sketch({"type": "string", "description": long}).endswith('...>"')
+    listed = with_instructions([{"role": "user", "content": "x"}], StructuredRequest(schema={"type": "array"}), False)
+    assert listed[0]["content"].startswith("Answer with one JSON value of this form")
 
 
 def test_reply_stream_holds_back_what_may_become_a_call() -> None:

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ensemble_core.constraints.schemas import schema_sketch
 from ensemble_core.constraints.tool_parsers import (
     AutoParser,
     ToolCall,
@@ -70,7 +71,9 @@ VALUE_ANSWER_INSTRUCTIONS = ("Tool results are in the conversation above. If the
 #: When no tool is needed (``auto``), without and with a ``response_format``.
 NO_TOOL_TEXT = "If no tool is needed, answer in plain text."
 NO_TOOL_VALUE = "If no tool is needed, answer with the JSON object described below."
-SCHEMA_INSTRUCTIONS = "Answer with one JSON object that matches this JSON Schema, and nothing else:\n{schema}"
+#: A ``response_format``'s schema, shown as the value it asks for (:func:`~ensemble_core.constraints.schemas.schema_sketch`:
+#: shown the JSON Schema itself, small members write the schema back or take it for a tool).
+SCHEMA_INSTRUCTIONS = "Answer with {what} of this form, and nothing else: {form}"
 #: ``response_format={"type": "json_object"}``: any object (a schema of ``{}`` would only confuse a small model).
 JSON_INSTRUCTIONS = "Answer with one JSON object, and nothing else."
 #: Qwen2.5-style templates wrap calls in these tags; a reply may carry them in auto mode.
@@ -192,6 +195,15 @@ def tool_instructions(request: StructuredRequest) -> str:
     return TOOL_INSTRUCTIONS.format(tools="\n".join(lines), when=when)
 
 
+def schema_instructions(schema: dict[str, Any]) -> str:
+    """The system-prompt text of a ``response_format``'s schema: the value's form, not the schema, and the
+    schema's own description (a pydantic class's docstring: what the value is) on a line after it."""
+    form = schema_sketch(schema)
+    text = SCHEMA_INSTRUCTIONS.format(what="one JSON object" if form.startswith("{") else "one JSON value", form=form)
+    about = " ".join(str(schema.get("description") or "").split())
+    return f"{text}\n{about}" if about else text
+
+
 def with_instructions(messages: list[dict[str, Any]], request: StructuredRequest, native_tools: bool) -> list[dict[str, Any]]:
     """``messages`` with the request's instructions added to the (first) system message.
 
@@ -205,8 +217,7 @@ def with_instructions(messages: list[dict[str, Any]], request: StructuredRequest
     if request.tools and request.choice == "auto" and any(m.get("role") == "tool" for m in messages):
         parts.append(ANSWER_INSTRUCTIONS if request.schema is None else VALUE_ANSWER_INSTRUCTIONS)
     if request.schema is not None and not request.forced_call:
-        parts.append(SCHEMA_INSTRUCTIONS.format(schema=json.dumps(request.schema, ensure_ascii=False))
-                     if request.schema else JSON_INSTRUCTIONS)
+        parts.append(schema_instructions(request.schema) if request.schema else JSON_INSTRUCTIONS)
     if not parts:
         return messages
     text = "\n\n".join(parts)
