@@ -25,10 +25,25 @@ from langchain_core.tools import StructuredTool  # noqa: E402
 from langchain_ensemble import ChatEnsemble  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
+from ensemble_core.serving import runtime  # noqa: E402
+
 
 class Answer(BaseModel):
     """The final answer to the user's question."""
     answer: str = Field(description="the answer in one sentence, with the tool's result")
+
+class AnswerTurns:
+    """Counts the answer turns the runtime asks for (``runtime.answered``) from its creation on; ``count = 0`` resets."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._answered = runtime.answered
+        runtime.answered = self._counted
+
+    def _counted(self, first, answer):  # noqa: ANN001, ANN202
+        self.count += 1
+        return self._answered(first, answer)
+
 
 def run(chat: ChatEnsemble, task: "suite.Task") -> dict:
     """One ``create_agent(chat, task's tools, response_format=Answer)`` run of ``task``: its record."""

@@ -130,6 +130,19 @@ async def agent_set(configs: list[str], task_ids: list[int]) -> list[dict[str, A
     return out
 
 
+def extraction(llm: EnsembleLLM, cls: type, prompt: PromptTemplate, text: str, gold: tuple) -> dict[str, Any]:
+    """One ``structured_predict`` of ``text`` into ``cls``, judged field by field against ``gold``."""
+    t, error, value = time.time(), None, None
+    try:
+        value = llm.structured_predict(cls, prompt, text=text)
+    except Exception as e:  # noqa: BLE001 - recorded: the value did not come
+        error = f"{type(e).__name__}: {str(e)[:150]}"
+    got = list(value.model_dump().values()) if value is not None else [None] * len(gold)
+    fields = [field_right(g, w, contains=(cls is Order and i == 0)) for i, (g, w) in enumerate(zip(got, gold))]
+    return {"text": text, "parsed": value is not None, "fields_right": sum(fields), "fields": len(fields),
+            "right": all(fields), "value": got, "error": error, "s": round(time.time() - t, 2)}
+
+
 def extract_set(configs: list[str]) -> list[dict[str, Any]]:
     prompt = PromptTemplate("Extract the details from this text: {text}")
     items = [(Person, text, gold) for text, gold in PEOPLE] + [(Order, text, gold) for text, gold in ORDERS]
@@ -137,16 +150,8 @@ def extract_set(configs: list[str]) -> list[dict[str, Any]]:
     for k, (cls, text, gold) in enumerate(items):
         for name in configs:
             for mode in (MODES if k % 2 == 0 else MODES[::-1]):
-                t, error, value = time.time(), None, None
-                try:
-                    value = llm_for(suite.CONFIGS[name], mode).structured_predict(cls, prompt, text=text)
-                except Exception as e:  # noqa: BLE001 - recorded: the value did not come
-                    error = f"{type(e).__name__}: {str(e)[:150]}"
-                got = list(value.model_dump().values()) if value is not None else [None] * len(gold)
-                fields = [field_right(g, w, contains=(cls is Order and i == 0)) for i, (g, w) in enumerate(zip(got, gold))]
-                record = {"set": "extract", "text": text, "config": name, "mode": mode, "parsed": value is not None,
-                          "fields_right": sum(fields), "fields": len(fields), "right": all(fields), "value": got,
-                          "error": error, "s": round(time.time() - t, 2)}
+                record = {"set": "extract", "config": name, "mode": mode,
+                          **extraction(llm_for(suite.CONFIGS[name], mode), cls, prompt, text, gold)}
                 print(json.dumps(record), flush=True)
                 out.append(record)
     return out

@@ -27,7 +27,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import ensemble_core.serving.runtime as runtime
 from ensemble_core.constraints import structured
 
 HERE = Path(__file__).resolve().parent
@@ -66,16 +65,7 @@ def as_schema(schema: dict) -> str:
 
 
 ARMS = {"schema": as_schema, "form": structured.schema_instructions}
-answer_turns = [0]
-_answered = runtime.answered
-
-
-def counted(first, answer):  # noqa: ANN001, ANN201
-    answer_turns[0] += 1
-    return _answered(first, answer)
-
-
-runtime.answered = counted
+answer_turns = runs.AnswerTurns()
 
 
 def arms_in_turn(k: int) -> list[str]:
@@ -90,9 +80,9 @@ def agent(configs: list[str]) -> list[dict]:
         for name in configs:
             for arm in arms_in_turn(k):
                 structured.schema_instructions = ARMS[arm]
-                answer_turns[0] = 0
+                answer_turns.count = 0
                 record = {"set": "agent", "config": name, "arm": arm, **runs.run(chats[name], task),
-                          "answer_turns": answer_turns[0]}
+                          "answer_turns": answer_turns.count}
                 record["right"] = record["has_result"]
                 print(json.dumps(record), flush=True)
                 out.append(record)
@@ -108,17 +98,8 @@ def extraction(configs: list[str]) -> list[dict]:
         for name in configs:
             for arm in arms_in_turn(k):
                 structured.schema_instructions = ARMS[arm]
-                t, error, value = time.time(), None, None
-                try:
-                    value = llms[name].structured_predict(cls, prompt, text=text)
-                except Exception as e:  # noqa: BLE001 - recorded: the value did not come
-                    error = f"{type(e).__name__}: {str(e)[:150]}"
-                got = list(value.model_dump().values()) if value is not None else [None] * len(gold)
-                fields = [extract.field_right(g, w, contains=(cls is extract.Order and i == 0))
-                          for i, (g, w) in enumerate(zip(got, gold))]
-                record = {"set": "extract", "config": name, "arm": arm, "text": text, "parsed": value is not None,
-                          "fields_right": sum(fields), "fields": len(fields), "right": all(fields), "value": got,
-                          "error": error, "s": round(time.time() - t, 2)}
+                record = {"set": "extract", "config": name, "arm": arm,
+                          **extract.extraction(llms[name], cls, prompt, text, gold)}
                 print(json.dumps(record), flush=True)
                 out.append(record)
     return out

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import ensemble_core.decoding.view as view
-import ensemble_core.serving.runtime as runtime
 from ensemble_core.constraints import lazy, structured
 
 HERE = Path(__file__).resolve().parent
@@ -36,16 +35,7 @@ def without_rule(request, messages, exclude_repeated=True, enabled=True):  # noq
     return None if calls is None else lazy.LazyCalls(calls.tools, calls.forbid, calls.excluded)
 
 
-answer_turns = [0]
-_answered = runtime.answered
-
-
-def counted(first, answer):  # noqa: ANN001, ANN201
-    answer_turns[0] += 1
-    return _answered(first, answer)
-
-
-runtime.answered = counted
+answer_turns = runs.AnswerTurns()
 configs = sys.argv[1].split(",")
 ids = [int(x) for x in sys.argv[2].split(",")]
 ab = sys.argv[3] if len(sys.argv) > 3 else "rule"
@@ -62,7 +52,7 @@ for tid in ids:
                 view.lazy_calls = lazy.lazy_calls if rule else without_rule
             else:
                 structured.VALUE_ANSWER_INSTRUCTIONS, structured.NO_TOOL_VALUE = WORDING[rule]
-            answer_turns[0] = 0
+            answer_turns.count = 0
             record = runs.run(chats[name], task)
-            print(json.dumps({"config": name, "ab": ab, "rule": rule, **record, "answer_turns": answer_turns[0]}),
+            print(json.dumps({"config": name, "ab": ab, "rule": rule, **record, "answer_turns": answer_turns.count}),
                   flush=True)
