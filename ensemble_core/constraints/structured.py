@@ -47,7 +47,8 @@ __all__ = [
     "ANSWER_INSTRUCTIONS", "CALL_TAG", "CallDelta", "JSON_INSTRUCTIONS", "SCHEMA_INSTRUCTIONS", "TOOL_CHOICES",
     "TOOL_INSTRUCTIONS", "VALUE_ANSWER_INSTRUCTIONS",
     "ReplyStream", "StructuredOutput", "StructuredRequest", "ToolCall", "function_spec", "json_sequence",
-    "parse_output", "reply_content", "schema_of", "structured_request", "tool_instructions", "with_instructions",
+    "parse_output", "reply_content", "schema_instructions", "schema_of", "structured_request", "tool_instructions",
+    "with_instructions",
 ]
 
 TOOL_CHOICES = ("auto", "none", "required", "any")
