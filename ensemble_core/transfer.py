@@ -52,3 +52,35 @@ def fill(buffer: torch.Tensor, values: torch.Tensor) -> None:
     """Copy host ``values`` into ``buffer`` (a captured pass's input, say) without a stream synchronisation."""
     source, quiet = _staged(values, buffer.device)
     buffer.copy_(source, non_blocking=quiet)
+
+
+def read_together(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
+    """Each tensor's values as a flat Python list, brought to the host in one read per device.
+
+    Why (#38): every read of a device tensor waits for the kernels queued before it, so a
+    method that needs several small results of one step (each member's top-k ids, the
+    probabilities of a round's drafted tokens, the argmax of a verifier's window) reads them
+    together instead of one by one. Tensors of one device are flattened into one buffer: of
+    their common dtype, or float64 when dtypes mix (exact for token ids
+    and for float32 values; float32 on Apple's MPS, which has no float64: exact for ids below
+    2^24, which every vocabulary is). Integer tensors come back as ints, boolean ones as bools.
+    """
+    out: list[list[Any]] = [[] for _ in tensors]
+    groups: dict[str, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        groups.setdefault(str(tensor.device), []).append(i)
+    for members in groups.values():
+        parts = [tensors[i].reshape(-1) for i in members]
+        dtypes = {p.dtype for p in parts}
+        if len(dtypes) > 1:
+            wide = torch.float32 if parts[0].device.type == "mps" else torch.float64
+            parts = [p.to(wide) for p in parts]
+        values = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+        at = 0
+        for i, part in zip(members, parts):
+            chunk = values[at:at + part.numel()]
+            at += part.numel()
+            dtype = tensors[i].dtype
+            out[i] = chunk if dtype.is_floating_point else [bool(v) for v in chunk] if dtype == torch.bool else [
+                int(v) for v in chunk]
+    return out

@@ -8,10 +8,11 @@ can hold it, where timings could not; a lent GPU counts the synchronisations the
 ``torch.cuda.set_sync_debug_mode`` (:func:`cuda_syncs`, ``tests/gpu_check.py``).
 
 :class:`HostReads` counts, while active, every ``aten._local_scalar_dense`` (what ``.item()``,
-``bool``, ``int`` and ``float`` of a tensor dispatch to) and every ``Tensor.tolist`` call (on the
-CPU ``tolist`` reads memory directly, without a dispatched op, so it is counted at the Python
-method). Reads of tensors that live on the CPU in a GPU run (token tables, ids) are counted too:
-the count is an upper bound of the synchronisations.
+``bool``, ``int`` and ``float`` of a tensor dispatch to), every ``Tensor.tolist`` call and every
+``Tensor.cpu`` call (a copy to the host, which waits like a read; on the CPU ``tolist`` reads
+memory directly and ``cpu`` returns the tensor itself, without a dispatched op, so both are
+counted at the Python method). Reads of tensors that live on the CPU in a GPU run (token tables,
+ids, a fused candidate set) are counted too: the count is an upper bound of the synchronisations.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class _ScalarReads(TorchDispatchMode):
 class HostReads:
     """Counts host reads while used as a context manager (``with HostReads() as reads: ...``).
 
-    ``counts["item"]``: scalar reads; ``counts["tolist"]``: ``tolist`` calls. Not thread-safe
+    ``counts["item"]``: scalar reads; ``counts["tolist"]``: ``tolist`` calls; ``counts["cpu"]``: copies
+    to the host. Not thread-safe
     across threads that run tensor code (a dispatch mode is per thread): use it on a method
     that runs its members in the calling thread (``parallel=False`` where a method has it).
     """
@@ -54,6 +56,7 @@ class HostReads:
     counts: Counter[str] = field(default_factory=Counter)
     _mode: _ScalarReads | None = None
     _tolist: Callable[..., Any] | None = None
+    _cpu: Callable[..., Any] | None = None
 
     @property
     def total(self) -> int:
@@ -64,22 +67,28 @@ class HostReads:
         return self.total / max(1, tokens)
 
     def __enter__(self) -> HostReads:
-        counts, original = self.counts, torch.Tensor.tolist
+        counts, original, original_cpu = self.counts, torch.Tensor.tolist, torch.Tensor.cpu
 
         def tolist(tensor: torch.Tensor) -> Any:
             counts["tolist"] += 1
             return original(tensor)
 
-        self._tolist = original
+        def cpu(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            counts["cpu"] += 1
+            return original_cpu(tensor, *args, **kwargs)
+
+        self._tolist, self._cpu = original, original_cpu
         torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        torch.Tensor.cpu = cpu  # type: ignore[method-assign]
         self._mode = _ScalarReads(counts)
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        assert self._mode is not None and self._tolist is not None
+        assert self._mode is not None and self._tolist is not None and self._cpu is not None
         self._mode.__exit__(*exc)
         torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        torch.Tensor.cpu = self._cpu  # type: ignore[method-assign]
 
 
 @contextmanager

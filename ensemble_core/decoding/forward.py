@@ -44,14 +44,15 @@ from ensemble_core.transfer import HOST, to_device
 
 
 # ----------------------------------------------------------------------------- one request
-def single_pass(model: Any, ids: Sequence[int], cache: Any, logits_to_keep: int | torch.Tensor, device: Any,
-                **kwargs: Any) -> torch.Tensor:
+def single_pass(model: Any, ids: Sequence[int] | torch.Tensor, cache: Any, logits_to_keep: int | torch.Tensor,
+                device: Any, **kwargs: Any) -> torch.Tensor:
     """The model's own forward of ``ids`` on ``cache``: float32 logits rows ``[keep, V]``.
 
+    ``ids``: host ids, or a tensor already on ``device`` (ids the host has not read, :attr:`Job.device_ids`).
     ``logits_to_keep`` is a count (the last rows) or an index tensor of positions; ``kwargs``
     carry a custom mask and position ids (verify-in-line). The cache is updated in place.
     """
-    input_ids = to_device([list(ids)], device)
+    input_ids = ids.reshape(1, -1) if isinstance(ids, torch.Tensor) else to_device([list(ids)], device)
     out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
     logits = out.logits[0]
     return (logits[-logits_to_keep:] if isinstance(logits_to_keep, int) else logits).float()
@@ -67,7 +68,10 @@ class Job:
     ``direct`` runs the very same call unbatched (used for a group of one and as the
     fallback); ``runner``, when set, runs it instead (a static slot's pass,
     :mod:`~ensemble_core.decoding.static`), with ``direct`` as its own fallback. The result is a
-    float ``[len(keep), V]`` tensor.
+    float ``[len(keep), V]`` tensor. ``device_ids``, when set, are the ids on the model's device,
+    not yet read by the host (a greedy draft's argmax, :func:`~ensemble_core.decoding.drafting.draft_tokens`);
+    ``ids`` then hold placeholders of the same length, and every pass that builds its inputs on the
+    host copies these over them on the device (:func:`place_device_ids`).
     """
 
     cache: Any
@@ -82,6 +86,17 @@ class Job:
     done: bool = False
     result: torch.Tensor | None = None
     error: BaseException | None = None
+    device_ids: torch.Tensor | None = None
+
+
+def place_device_ids(ids: torch.Tensor, placed: Sequence[tuple[int, Job]], width: int) -> None:
+    """Copy the jobs' :attr:`Job.device_ids` over their placeholders in ``ids``, a device buffer whose first
+    ``rows * width`` entries are the pass's ids row by row (``placed``: (row, job)); a copy on the device,
+    queued on the stream like the pass, so nothing waits for the value."""
+    flat = ids.view(-1)
+    for row, job in placed:
+        if job.device_ids is not None:
+            flat[row * width: row * width + len(job.ids)].copy_(job.device_ids)
 
 
 def run_alone(job: Job) -> torch.Tensor:
@@ -339,6 +354,7 @@ def batched_forward(model: Any, jobs: Sequence[Job], buffers: dict[Any, torch.Te
         positions[r, :n] = pos
         positions[r, n:] = pos[-1] + 1 + torch.arange(width_new - n)
     ids, positions = to_device(ids, device), to_device(positions, device)
+    place_device_ids(ids, list(enumerate(jobs)), width_new)
     dtype = model.dtype if model.dtype.is_floating_point else torch.float32
     masks = _masks(jobs, layouts_ok, gathered, widths, width_new, window, dtype, device)
     for kind in slab_kinds:

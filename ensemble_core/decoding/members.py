@@ -187,6 +187,10 @@ class DecodeStats:
     graph_replays: int = 0  # of those, replayed CUDA graphs
 
 
+#: The placeholder of an id appended on the device and not read yet (:meth:`DecodeState.score_unread`).
+UNREAD = -1
+
+
 class DecodeState:
     """One member's incremental decoding state: token ids and a KV cache over them.
 
@@ -253,14 +257,46 @@ class DecodeState:
         self.stats.seconds += time.perf_counter() - t0
         return rows
 
-    def _job(self, pending: list[int], keep: int) -> Job:
-        """The forward pass of ``pending`` on this state's cache, keeping the last ``keep`` rows."""
+    @torch.inference_mode()
+    def score_unread(self, token: torch.Tensor) -> torch.Tensor:
+        """Append one token the host has not read (a 0-d id tensor on the model's device: a greedy draft's
+        argmax) and return the next-token logits row ``[V]``, without waiting for the token's value.
+
+        Why (#38): a draft that read each token before feeding it made the host wait for the device
+        once per drafted token. Its id stays :data:`UNREAD` in :attr:`ids` until :meth:`settle`; only the
+        cached ids may come before it (nothing pending).
+        """
+        if self.cached != len(self.ids):
+            raise InputError(f"Member {self.member.name!r} has pending ids: score them before an unread token.")
+        t0 = time.perf_counter()
+        self.ids.append(UNREAD)
+        job = self._job([UNREAD], 1, unread=token.reshape(1))
+        rows = run_job(self.batch, self.member, job)
+        self.cached = len(self.ids)
+        self._fed_since_crop += 1
+        self._last_row = rows[-1]
+        self.stats.forward_passes += 1
+        self.stats.tokens_fed += 1
+        self.stats.seconds += time.perf_counter() - t0
+        return rows[-1]
+
+    def settle(self, start: int, ids: Sequence[int]) -> None:
+        """The values of unread ids, read at last: ``ids`` are this state's ids from position ``start`` on."""
+        if any(i != UNREAD for i in self.ids[start:start + len(ids)]):
+            raise InputError(f"Member {self.member.name!r}: settle() only fills unread ids.")
+        self.ids[start:start + len(ids)] = [int(i) for i in ids]
+
+    def _job(self, pending: list[int], keep: int, unread: torch.Tensor | None = None) -> Job:
+        """The forward pass of ``pending`` on this state's cache, keeping the last ``keep`` rows (``unread``: the
+        ids on the device when ``pending`` holds placeholders)."""
         model, device, cache = self.member.model, self.member.device, self.cache
 
         def direct() -> torch.Tensor:
-            return single_pass(model, pending, cache, keep, device)
+            return single_pass(model, unread if unread is not None else pending, cache, keep, device)
 
-        return route(causal_job(cache, pending, range(len(pending) - keep, len(pending)), direct))
+        job = causal_job(cache, pending, range(len(pending) - keep, len(pending)), direct)
+        job.device_ids = unread
+        return route(job)
 
     def crop(self, n: int) -> None:
         """Keep the first ``n`` ids (``1 <= n <= len``), dropping the rest and their cache.

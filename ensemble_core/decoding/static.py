@@ -61,7 +61,7 @@ import torch
 from transformers import DynamicCache
 
 from ensemble_core.decoding.cache import RoomyLayer
-from ensemble_core.decoding.forward import PLAIN_HEADS, Job
+from ensemble_core.decoding.forward import PLAIN_HEADS, Job, place_device_ids
 from ensemble_core.decoding.masks import (
     MASK_HONOURING_ATTENTION,
     additive_mask,
@@ -448,6 +448,7 @@ class StaticPasses:
         bucket = pool.buckets.get((r, k, span)) or pool.buckets.setdefault((r, k, span), self._bucket(r, k, span))
         placed = [(c.slot.index, job, context) for c, job, context in zip(caches, jobs, contexts)]
         fill(bucket.inputs, host_inputs(placed, r, k, self.room))
+        place_device_ids(bucket.inputs, [(row, job) for row, job, _ in placed], k)
         out, replayed = self._replay(bucket, pool.keys, pool.values)
         # every row's kept positions in one gather: a copy, since the next replay of the bucket reuses ``out``
         wanted = [row * k + i for row, job, _ in placed for i in job.keep]
@@ -547,6 +548,7 @@ class StaticPasses:
         """A pass at its own length (longer than every bucket: a prefill): static writes, no padding, no graph."""
         device, n = self.shape.device, len(job.ids)
         inputs = to_device(host_inputs([(0, job, context)], 1, n, self.room), device)
+        place_device_ids(inputs, [(0, job)], n)
         keep = to_device(job.keep, device)
         return self._forward(slot.keys, slot.values, context + n, inputs, 1, n, keep=keep).float()
 

@@ -63,7 +63,7 @@ from ensemble_core.options import (
     check_int,
     normalize_weight_option,
 )
-from ensemble_core.transfer import to_device
+from ensemble_core.transfer import read_together, to_device
 
 
 class EndOfText:
@@ -359,9 +359,10 @@ class Distribution(ABC):
         return self._tables
 
     def _check(self, probs: Sequence[torch.Tensor], drafter: int, prefixes: Sequence[bytes] | None,
-               weights: torch.Tensor | None = None, host: bool = True) -> tuple[list[torch.Tensor], list[bytes]]:
-        """The members' vectors checked and flattened (float32): on the CPU, or with ``host=False``
-        where they are, so that a rule that needs only a few entries reads only those (#38)."""
+               weights: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[bytes]]:
+        """The members' vectors checked and flattened (float32), left where they are: a rule reads only the
+        few entries it needs (#38; a copy of GaC's inputs to the host here moved every member's whole
+        vocabulary per token, unused)."""
         n = len(self.members)
         if len(probs) != n:
             raise InvalidOptionError("probs", f"{len(probs)} vectors", f"one per member ({n})")
@@ -374,7 +375,6 @@ class Distribution(ABC):
         out = []
         for p, table in zip(probs, self.tables):
             p = p.detach().float().reshape(-1)
-            p = p.cpu() if host else p
             if p.numel() != table.size:
                 raise InvalidOptionError("probs", f"a vector of {p.numel()}",
                                          f"{table.size} probabilities (the member's vocabulary)")
@@ -382,10 +382,14 @@ class Distribution(ABC):
         return out, list(prefixes) if prefixes is not None else [b""] * n
 
     @staticmethod
-    def _top_selectable(p: torch.Tensor, selectable: torch.Tensor, k: int) -> list[int]:
-        """The ``k`` most likely selectable ids of ``p``, found where ``p`` lives: one host read (the ids)."""
-        mask, count = _selectable_on(selectable, p.device)
-        return torch.topk(p.masked_fill(~mask, -1.0), min(k, count)).indices.tolist()
+    def _tops(rows: Sequence[torch.Tensor], selectable: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[list[int]]:
+        """Each row's ``sizes[i]`` most likely ids among ``selectable[i]``, found where the row lives and read
+        together: one host read per device, not one per member (#38)."""
+        picks = []
+        for p, allowed, k in zip(rows, selectable, sizes):
+            mask, count = _selectable_on(allowed, p.device)
+            picks.append(torch.topk(p.masked_fill(~mask, -1.0), min(k, count)).indices)
+        return read_together(picks)
 
     @abstractmethod
     def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
@@ -450,28 +454,33 @@ class UniTE(Distribution):
 
     def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
              prefixes: Sequence[bytes] | None = None, weights: torch.Tensor | None = None) -> Candidates:
-        probs, prefixes = self._check(probs, drafter, prefixes, weights, host=False)  # only top-k entries are read
+        probs, prefixes = self._check(probs, drafter, prefixes, weights)  # only top-k entries are read
         tables = self.tables
         order = [drafter] + [m for m in range(len(probs)) if m != drafter]
         tops: list[list[Key]] = []
-        for p, table, prefix in zip(probs, tables, prefixes):
-            top = []
-            for i in self._top_selectable(p, table.selectable, self.top_k):
-                key = _strip_prefix(END if i in table.eos_ids else table.keys[i], prefix)  # type: ignore[arg-type]
-                if key is not None:
-                    top.append(key)
-            tops.append(top)
+        for ids, table, prefix in zip(self._tops(probs, [t.selectable for t in tables], [self.top_k] * len(probs)),
+                                      tables, prefixes):
+            stripped = (_strip_prefix(END if i in table.eos_ids else table.keys[i], prefix) for i in ids)  # type: ignore[arg-type]
+            tops.append([key for key in stripped if key is not None])
         keys, drafter_top = _gather_candidates(tops, order, drafter)
         once = self.sub_tokens == "once"
-        member_probs = torch.stack([self._probs_of(keys, p, table, member, prefix, once)
-                                    for p, table, member, prefix in zip(probs, tables, self.members, prefixes)])
+        backing = [self._backing(keys, table, member, prefix, once)
+                   for table, member, prefix in zip(tables, self.members, prefixes)]
+        # each member's entries gathered where its probabilities are, all read together (#38)
+        values = read_together([p[to_device(ids, p.device)] for p, (ids, _) in zip(probs, backing)])
+        member_probs = torch.zeros(len(probs), len(keys))
+        for row, (ids, slots), got in zip(member_probs, backing, values):
+            if ids:
+                row.index_add_(0, torch.tensor(slots, dtype=torch.long), torch.tensor(got, dtype=torch.float32))
         return Candidates(tuple(keys), member_probs, weighted_mean(member_probs, weights), drafter_top, weights, once)
 
     @staticmethod
-    def _probs_of(keys: Sequence[Key], p: torch.Tensor, table: TokenTable, member: Any,
-                  prefix: bytes = b"", once: bool = False) -> torch.Tensor:
-        """A member's probability of each candidate: exact token text, else first sub-token (with ``once``,
-        a first sub-token that already backs a candidate, or a shorter one, backs no other)."""
+    def _backing(keys: Sequence[Key], table: TokenTable, member: Any, prefix: bytes = b"",
+                 once: bool = False) -> tuple[list[int], list[int]]:
+        """Which of a member's tokens back which candidate (``ids[i]`` backs candidate ``slots[i]``; a
+        candidate's probability is the sum over its tokens): its tokens with exactly that text, else the
+        first sub-token of its encoding (with ``once``, a first sub-token that already backs a candidate,
+        or a shorter one, backs no other)."""
         ids: list[int] = []
         slots: list[int] = []
         missing: list[tuple[int, bytes]] = []
@@ -491,11 +500,7 @@ class UniTE(Distribution):
             for c, first in firsts:
                 ids.append(first)
                 slots.append(c)
-        out = torch.zeros(len(keys))
-        if ids:  # gathered where p lives; only the candidates' entries travel
-            values = p[torch.tensor(ids, dtype=torch.long, device=p.device)].cpu()
-            out.index_add_(0, torch.tensor(slots, dtype=torch.long), values)
-        return out
+        return ids, slots
 
 
 def one_candidate_per_token(firsts: Sequence[tuple[int, int]], taken: set[int],
@@ -609,7 +614,7 @@ class GaC(Distribution):
         (151k floats for Qwen) and projecting it there serialised every step; now only the
         chosen candidates' entries travel (:meth:`fuse`).
         """
-        probs, _ = self._check(probs, drafter, None, host=False)
+        probs, _ = self._check(probs, drafter, None)
         device = probs[drafter].device
         union = self.union
         out = torch.zeros(len(probs), len(union.keys) + 2, device=device)
@@ -626,18 +631,17 @@ class GaC(Distribution):
         order = [drafter] + [m for m in range(len(probs)) if m != drafter]
         if not any(prefixes):
             fused = weighted_mean(per_member, weights)
-            drafter_top = self._top_selectable(per_member[drafter], union.selectable, self.top_k)
-            chosen = list(dict.fromkeys(drafter_top + self._top_selectable(fused, union.selectable, k)))
+            drafter_top, fused_top = self._tops([per_member[drafter], fused], [union.selectable] * 2, [self.top_k, k])
+            chosen = list(dict.fromkeys(drafter_top + fused_top))
             index = torch.tensor(chosen, dtype=torch.long, device=per_member.device)
             top = torch.zeros(len(chosen), dtype=torch.bool)
             top[: len(drafter_top)] = True
             rows = torch.cat([per_member[:, index], fused[index][None]]).cpu()  # one transfer: the candidates' entries
             return Candidates(tuple(union.key(i) for i in chosen), rows[:-1], rows[-1], top, weights)
         tops: list[list[Key]] = []
-        for m, prefix in enumerate(prefixes):
-            size = self.top_k if m == drafter else k
-            stripped = (_strip_prefix(union.key(i), prefix)
-                        for i in self._top_selectable(per_member[m], union.selectable, size))
+        sizes = [self.top_k if m == drafter else k for m in range(len(prefixes))]
+        for ids, prefix in zip(self._tops(list(per_member), [union.selectable] * len(prefixes), sizes), prefixes):
+            stripped = (_strip_prefix(union.key(i), prefix) for i in ids)
             tops.append([key for key in stripped if key is not None])
         keys, drafter_top_mask = _gather_candidates(tops, order, drafter)
         at = [(m, c, pos) for m, prefix in enumerate(prefixes) for c, key in enumerate(keys)
@@ -702,20 +706,27 @@ def _is_blank(key: Key) -> bool:
     return isinstance(key, bytes) and not key.decode("utf-8", errors="replace").strip()
 
 
+@lru_cache(maxsize=64)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (a threshold compared as a tensor comparison would cast it), once per pair."""
+    return float(torch.tensor(value, dtype=dtype))
+
+
 def prefix_merge(keys: Sequence[Key], fused: torch.Tensor, drafter_top: torch.Tensor,
-                 min_prob: float = PREFIX_MIN_PROB) -> torch.Tensor:
+                 min_prob: float = PREFIX_MIN_PROB, read: tuple[list[float], list[bool]] | None = None) -> torch.Tensor:
     """SAFE's heuristic sharpening: a likely prefix collects the mass of its extensions.
 
     Every candidate ``s`` with fused probability > ``min_prob`` that is in the drafter's
     top-k and is not whitespace-only gets the mass of every other candidate that starts
     with ``s`` ("So" gathers "Sof" and "Sofia"): the models agree on ``s`` and only
-    disagree on how to tokenize what follows. Other scores are unchanged.
+    disagree on how to tokenize what follows. Other scores are unchanged. ``read``: ``fused`` and
+    ``drafter_top`` as lists, when the caller has read them already.
     """
     scores = fused.clone()
     # read once, not per candidate (each element read is a host read); the threshold in fused's dtype, as
     # the tensor comparison casts it
-    values, own = fused.tolist(), drafter_top.tolist()
-    floor = float(torch.tensor(min_prob, dtype=fused.dtype))
+    values, own = read if read is not None else read_together([fused, drafter_top])
+    floor = _rounded(min_prob, fused.dtype)
     for i, s in enumerate(keys):
         if not isinstance(s, bytes) or values[i] <= floor or not own[i] or _is_blank(s):
             continue
@@ -737,10 +748,12 @@ def sharpen(candidates: Candidates, rule: str = "heuristic", below: float = SHAR
     """
     check_choice("sharpening", rule, SHARPENINGS)
     scores = candidates.fused
-    if rule != "none" and float(scores.max()) < below:
-        if rule == "heuristic":
-            scores = prefix_merge(candidates.keys, scores, candidates.drafter_top)
-        else:
-            scores = geometric_mean(candidates.member_probs, candidates.weights)
-    total = float(scores.sum())
-    return scores / total if total > 0 else torch.full_like(scores, 1.0 / len(scores))
+    if rule != "none":
+        read = read_together([scores, candidates.drafter_top])  # one read: the maximum and the prefix merge's inputs
+        if max(read[0]) < below:
+            if rule == "heuristic":
+                scores = prefix_merge(candidates.keys, scores, candidates.drafter_top, read=(read[0], read[1]))
+            else:
+                scores = geometric_mean(candidates.member_probs, candidates.weights)
+    total = scores.sum()  # normalised without reading the sum back
+    return torch.where(total > 0, scores / total, torch.full_like(scores, 1.0 / len(scores)))
