@@ -7,16 +7,16 @@ same on any device (it is the code's, not the hardware's), so the CPU measures i
 can hold it, where timings could not; a lent GPU counts the synchronisations themselves with
 ``torch.cuda.set_sync_debug_mode`` (:func:`cuda_syncs`, ``tests/gpu_check.py``).
 
-:class:`HostReads` counts, while active, every ``aten._local_scalar_dense`` (what ``.item()``,
-``bool``, ``int`` and ``float`` of a tensor dispatch to), every ``Tensor.tolist`` call and every
-``Tensor.cpu`` call (a copy to the host, which waits like a read; on the CPU ``tolist`` reads
-memory directly and ``cpu`` returns the tensor itself, without a dispatched op, so both are
-counted at the Python method). Reads of tensors that live on the CPU in a GPU run (token tables,
-ids, a fused candidate set) are counted too: the count is an upper bound of the synchronisations.
+:class:`HostReads` counts, while active, every read of a tensor's value through its Python methods
+(``.item()``, ``int``, ``float``, ``bool``, ``tolist``) and every ``Tensor.cpu`` call (a copy to the
+host, which waits like a read), and the scalar reads ops make inside (``aten._local_scalar_dense``).
+Reads of tensors that live on the CPU in a GPU run (token tables, ids, a fused candidate set) are
+counted too: the count is an upper bound of the synchronisations.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -28,35 +28,53 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _SCALAR_READ = torch.ops.aten._local_scalar_dense.default
+#: The Python methods that read a tensor's value, by what they count as.
+_READS = {"item": "item", "__int__": "item", "__float__": "item", "__bool__": "item", "__index__": "item",
+          "tolist": "tolist", "cpu": "cpu"}
+_inside = threading.local()  # set while a counted Python read runs: its dispatched scalar read is the same read
 
 
 class _ScalarReads(TorchDispatchMode):
-    """Counts the dispatched scalar reads (every other op passes through unchanged)."""
+    """Counts the dispatched scalar reads that no counted Python method made (a read inside an op)."""
 
     def __init__(self, counter: Counter[str]) -> None:
         super().__init__()
         self.counter = counter
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _SCALAR_READ:
+        if func is _SCALAR_READ and not getattr(_inside, "read", False):
             self.counter["item"] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _counting(method: Callable[..., Any], counts: Counter[str], kind: str) -> Callable[..., Any]:
+    def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        counts[kind] += 1
+        outer = getattr(_inside, "read", False)
+        _inside.read = True
+        try:
+            return method(tensor, *args, **kwargs)
+        finally:
+            _inside.read = outer
+
+    return read
 
 
 @dataclass
 class HostReads:
     """Counts host reads while used as a context manager (``with HostReads() as reads: ...``).
 
-    ``counts["item"]``: scalar reads; ``counts["tolist"]``: ``tolist`` calls; ``counts["cpu"]``: copies
-    to the host. Not thread-safe
-    across threads that run tensor code (a dispatch mode is per thread): use it on a method
-    that runs its members in the calling thread (``parallel=False`` where a method has it).
+    ``counts["item"]``: scalar reads (``item``, ``int``, ``float``, ``bool``, ``index`` of a tensor);
+    ``counts["tolist"]``: ``tolist`` calls; ``counts["cpu"]``: copies to the host. They are counted at
+    the Python methods, in every thread, and under ``torch.inference_mode`` too (where a dispatch
+    mode sees nothing: counting only dispatched reads missed every read of the decoding loops that
+    run in inference mode); a scalar read inside an op is counted by a dispatch mode, in the
+    calling thread only.
     """
 
     counts: Counter[str] = field(default_factory=Counter)
     _mode: _ScalarReads | None = None
-    _tolist: Callable[..., Any] | None = None
-    _cpu: Callable[..., Any] | None = None
+    _originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -67,28 +85,19 @@ class HostReads:
         return self.total / max(1, tokens)
 
     def __enter__(self) -> HostReads:
-        counts, original, original_cpu = self.counts, torch.Tensor.tolist, torch.Tensor.cpu
-
-        def tolist(tensor: torch.Tensor) -> Any:
-            counts["tolist"] += 1
-            return original(tensor)
-
-        def cpu(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            counts["cpu"] += 1
-            return original_cpu(tensor, *args, **kwargs)
-
-        self._tolist, self._cpu = original, original_cpu
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
-        torch.Tensor.cpu = cpu  # type: ignore[method-assign]
-        self._mode = _ScalarReads(counts)
+        for name, kind in _READS.items():
+            self._originals[name] = original = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, _counting(original, self.counts, kind))
+        self._mode = _ScalarReads(self.counts)
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        assert self._mode is not None and self._tolist is not None and self._cpu is not None
+        assert self._mode is not None
         self._mode.__exit__(*exc)
-        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
-        torch.Tensor.cpu = self._cpu  # type: ignore[method-assign]
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+        self._originals.clear()
 
 
 @contextmanager

@@ -12,7 +12,8 @@ member's cache (:mod:`ensemble_core.remote.actor`), which is why they live below
 
 Both feed prompt-lookup guesses (:mod:`~ensemble_core.decoding.lookup`) with each pass when
 asked, keep the guesses they would choose anyway and cut the rest. A greedy draft with nothing to
-decide per token keeps its ids on the device and reads them once (:func:`_draft_unread`). A state whose model runs
+decide per token keeps its ids on the device and reads them once per draft or chunk
+(:func:`_draft_unread`, :func:`_segment_unread`). A state whose model runs
 elsewhere runs the same loop there (:func:`~ensemble_core.decoding.rows.delegate`).
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,14 +29,21 @@ import torch
 from ensemble_core.decoding.lookup import propose
 from ensemble_core.decoding.pipeline import TokenPipeline
 from ensemble_core.decoding.rows import TensorRows, delegate
-from ensemble_core.decoding.verify_inline import Mark, branch_feed, branch_marks, cache_branch, rewind
+from ensemble_core.decoding.verify_inline import (
+    Mark,
+    branch_feed,
+    branch_feed_unread,
+    branch_marks,
+    cache_branch,
+    rewind,
+)
 from ensemble_core.text.alignment import (
     DECODE_CONTEXT,
     PARTIAL_CHAR_TOKENS,
     REPLACEMENT_CHAR,
     decode_suffix,
 )
-from ensemble_core.transfer import to_device
+from ensemble_core.transfer import read_together, to_device
 
 
 def draft_tokens(state: Any, limit: int, budget: int, pipeline: TokenPipeline, confidence: float = 0.0,
@@ -179,21 +187,26 @@ class DraftScores:
         return torch.tensor(values, dtype=torch.float32)
 
 
-def row_scores(row: torch.Tensor, token: int, eos_ids: Sequence[int]) -> torch.Tensor:
+def row_scores(row: torch.Tensor, token: int | torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
     """``[logprob of token, logit of token, logprob of ending, logit of ending]`` under ``row``,
-    as the verify pass computes them (kept on the row's device: one transfer per draft, not per step)."""
+    as the verify pass computes them (kept on the row's device: one transfer per draft, not per step).
+    ``token`` may be an id on the row's device that the host has not read."""
     logprobs = torch.log_softmax(row, dim=-1)
     if not eos_ids:
         end = row.new_full((2,), -math.inf)
     else:
         eos = to_device(sorted(eos_ids), row.device)
         end = torch.stack([torch.logsumexp(logprobs[eos], dim=0), row[eos].max()])
-    return torch.cat([torch.stack([logprobs[token], row[token]]), end]).float()
+    return torch.cat([torch.stack([_at(logprobs, token), _at(row, token)]), end]).float()
 
 
-def _draft_scores(ids: list[int], rows: list[torch.Tensor]) -> DraftScores:
-    """:class:`DraftScores` from :func:`row_scores` of every row the draft computed."""
-    table = torch.stack(rows).tolist() if rows else []
+def _at(values: torch.Tensor, token: int | torch.Tensor) -> torch.Tensor:
+    """``values[token]``; a token on the device is gathered (indexing with a tensor reads it to the host)."""
+    return values.index_select(0, token.reshape(1))[0] if isinstance(token, torch.Tensor) else values[token]
+
+
+def _scores_table(ids: list[int], table: list[list[float]]) -> DraftScores:
+    """:class:`DraftScores` from the :func:`row_scores` values of every row, read."""
     return DraftScores(tuple(ids),
                        {"logprob": tuple(r[0] for r in table[:len(ids)]), "logit": tuple(r[1] for r in table[:len(ids)])},
                        {"logprob": tuple(r[2] for r in table), "logit": tuple(r[3] for r in table)})
@@ -203,6 +216,48 @@ def _draft_scores(ids: list[int], rows: list[torch.Tensor]) -> DraftScores:
 def _find_stop(text: str, stops: Sequence[str]) -> int:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else -1
+
+
+@dataclass
+class _Segment:
+    """A segment being drafted after ``context`` (the state's ids): its ids, its text and how it ended.
+
+    :meth:`take` is the drafting loop's decision on each token, the same whether the loop reads
+    every token as it is chosen or a chunk of tokens at once.
+    """
+
+    member: Any
+    context: list[int]
+    length: int
+    stops: Sequence[str]
+    tail: str
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    end: str | None = None
+
+    def take(self, token: int, pipeline: TokenPipeline) -> bool:
+        """Add the next drafted token (its grammar advances); True when the segment ends with it: at EOS, at
+        a stop string (cut before it), or at its length (a few more tokens to finish a character)."""
+        if token in self.member.eos_token_ids:
+            self.end = "eos"
+            return True
+        pipeline.accept(token)
+        self.ids.append(token)
+        if self.stops or len(self.ids) >= self.length:
+            self.text = decode_suffix(self.member.tokenizer, self.context, self.ids)
+        if self.stops:
+            at = _find_stop(self.tail + self.text, self.stops)
+            if at >= 0:
+                self.text, self.end = self.text[: max(at - len(self.tail), 0)], "stop"
+                return True
+        return len(self.ids) >= self.length and not (
+            self.text.endswith(REPLACEMENT_CHAR) and len(self.ids) < self.length + PARTIAL_CHAR_TOKENS)
+
+    def result(self, table: list[list[float]]) -> tuple[list[int], str | None, str, DraftScores]:
+        """``(ids, end, text, own scores)`` from the :func:`row_scores` of every row drafted."""
+        text = self.text if self.end == "stop" else decode_suffix(self.member.tokenizer, self.context, self.ids) if (
+            self.ids) else ""
+        return self.ids, self.end, text, _scores_table(self.ids, table)
 
 
 @torch.inference_mode()
@@ -221,11 +276,56 @@ def draft_segment(state: Any, length: int, pipeline: TokenPipeline, stops: Seque
     own = delegate(state, "draft_segment")
     if own is not None:
         return own(length, pipeline.config, pipeline.generator, stops, tail, pipeline.grammar, lookup)
-    member = state.member
+    if _unread_drafting(state, pipeline, 0.0, lookup):
+        return _segment_unread(state, length, pipeline, stops, tail)
+    return _segment_read(state, length, pipeline, stops, tail, lookup)
+
+
+#: Tokens a greedy segment drafts on the device between two reads: a SpecEM segment (10 tokens by default)
+#: is read once; a whole answer (generate-then-select) in chunks, so that one that ends early has fed at
+#: most this many tokens less one past its end (on a branch, rewound: only their passes are spent).
+SEGMENT_CHUNK = 16
+
+
+def _segment_unread(state: Any, length: int, pipeline: TokenPipeline, stops: Sequence[str],
+                    tail: str) -> tuple[list[int], str | None, str, DraftScores | None]:
+    """:func:`draft_segment` with the ids left on the device: a chunk of tokens is drafted, each pass fed
+    the previous pass's argmax unread (:func:`~ensemble_core.decoding.verify_inline.branch_feed_unread`),
+    then the chunk's ids and scores are read at once and the loop's decisions (:meth:`_Segment.take`)
+    taken on them in order; what was drafted behind the end is dropped with the branch. The same ids,
+    end, text and scores as the token-by-token loop (#38: that loop read every token before feeding
+    it, a wait for the device per token)."""
     row = state.score()[-1]
-    ids: list[int] = []
-    end: str | None = None
-    text = ""
+    segment = _Segment(state.member, state.ids, length, stops, tail)
+    table: list[list[float]] = []
+    with cache_branch(state):
+        while True:
+            n = max(1, min(SEGMENT_CHUNK, length - len(segment.ids)))  # past the length: a token for a cut character
+            tokens, scores = [], []
+            for i in range(n):
+                tokens.append(torch.argmax(pipeline.process(row)))  # greedy choose_token, not read
+                scores.append(row_scores(row, tokens[-1], state.member.eos_token_ids))
+                if i + 1 < n:
+                    row = branch_feed_unread(state, tokens[-1])
+            chunk, values = read_together([torch.stack(tokens), torch.stack(scores)])  # the chunk's one read
+            done = False
+            for j, token in enumerate(chunk):
+                table.append(values[4 * j: 4 * j + 4])
+                if segment.take(token, pipeline):
+                    done = True
+                    break
+            if done:
+                return segment.result(table)
+            row = branch_feed(state, chunk[-1:])[-1]  # the chunk's last token, read: fed to draft on
+
+
+def _segment_read(state: Any, length: int, pipeline: TokenPipeline, stops: Sequence[str], tail: str,
+                  lookup: int) -> tuple[list[int], str | None, str, DraftScores | None]:
+    """:func:`draft_segment`'s token-by-token loop: under a grammar, sampling or prompt lookup (each
+    token decided on the host)."""
+    row = state.score()[-1]
+    segment = _Segment(state.member, state.ids, length, stops, tail)
+    ids = segment.ids
     kept: list[torch.Tensor] = []  # per row: its token's and ending's scores (row_scores)
     ahead: list[tuple[int, torch.Tensor]] = []  # fed guesses and the rows after them
     marks: list[Mark] = []  # the branch before the last pass with guesses
@@ -233,20 +333,8 @@ def draft_segment(state: Any, length: int, pipeline: TokenPipeline, stops: Seque
     with cache_branch(state):
         while True:
             token, _ = pipeline.next_token(row, keep_probs=False)
-            kept.append(row_scores(row, token, member.eos_token_ids))
-            if token in member.eos_token_ids:
-                end = "eos"
-                break
-            pipeline.accept(token)
-            ids.append(token)
-            if stops or len(ids) >= length:
-                text = decode_suffix(member.tokenizer, state.ids, ids)
-            if stops:
-                at = _find_stop(tail + text, stops)
-                if at >= 0:
-                    text, end = text[: max(at - len(tail), 0)], "stop"
-                    break
-            if len(ids) >= length and not (text.endswith(REPLACEMENT_CHAR) and len(ids) < length + PARTIAL_CHAR_TOKENS):
+            kept.append(row_scores(row, token, state.member.eos_token_ids))
+            if segment.take(token, pipeline):
                 break
             if ahead and ahead[0][0] == token:  # the guess came true: its row is already computed
                 row = ahead.pop(0)[1]
@@ -259,7 +347,4 @@ def draft_segment(state: Any, length: int, pipeline: TokenPipeline, stops: Seque
                 marks, fed = branch_marks(state), len(guesses)
             rows = branch_feed(state, [token, *guesses])
             row, ahead = rows[0], list(zip(guesses, rows[1:]))
-    if end != "stop":
-        text = decode_suffix(member.tokenizer, state.ids, ids) if ids else ""
-    return ids, end, text, _draft_scores(ids, kept)
-
+    return segment.result(torch.stack(kept).tolist() if kept else [])

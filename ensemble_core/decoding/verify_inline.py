@@ -41,7 +41,7 @@ import torch
 
 from ensemble_core.decoding.forward import Job, causal_job, single_pass
 from ensemble_core.decoding.masks import MASK_HONOURING_ATTENTION, layer_types, packed_layout, packed_masks
-from ensemble_core.decoding.members import DecodeState, Member
+from ensemble_core.decoding.members import UNREAD, DecodeState, Member
 from ensemble_core.decoding.rows import delegate
 from ensemble_core.decoding.scheduler import run_job
 from ensemble_core.decoding.static import route
@@ -130,7 +130,7 @@ def cache_branch(state: DecodeState) -> Iterator[None]:
 
 
 def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | Sequence[int],
-             packed: Sequence[int] | None = None) -> torch.Tensor:
+             packed: Sequence[int] | None = None, unread: torch.Tensor | None = None) -> torch.Tensor:
     """One forward pass of ``ids`` on the state's cache (inside a branch); float32 logits rows.
 
     ``logits_to_keep``: how many last rows, or which positions (a host list). ``packed``: the
@@ -139,7 +139,8 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | Seque
     are causal after the cache. The model's own call (``direct``: alone, or the fallback)
     builds the packed masks only when it runs, so a pass that runs batched or static never
     pays for them. In a batched request the pass is shared with other requests' rows
-    (:mod:`ensemble_core.decoding.scheduler`).
+    (:mod:`ensemble_core.decoding.scheduler`). ``unread``: the ids on the model's device, not read by
+    the host (``ids`` then hold placeholders; :attr:`~ensemble_core.decoding.forward.Job.device_ids`).
     """
     t0 = time.perf_counter()
     member = state.member
@@ -151,13 +152,14 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | Seque
         # positions: the model's own call takes them as an index on its device
         wanted = logits_to_keep if isinstance(logits_to_keep, int) else to_device(keep, member.device)
         if packed is None:
-            return single_pass(member.model, ids, cache, wanted, member.device)
+            return single_pass(member.model, unread if unread is not None else ids, cache, wanted, member.device)
         mask, positions = packed_masks(state, packed)
         return single_pass(member.model, ids, cache, wanted, member.device, attention_mask=mask,
                            position_ids=positions)
 
     if packed is None:
         job = causal_job(cache, ids, keep, direct)
+        job.device_ids = unread
     else:
         positions, block = packed_layout(packed, cache.get_seq_length(), HOST)
         job = Job(cache, [int(i) for i in ids], positions, block, keep, direct)
@@ -172,6 +174,13 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | Seque
 def branch_feed(state: DecodeState, ids: Sequence[int]) -> torch.Tensor:
     """Next-token logits after each of ``ids``, appended on a branch in one pass: ``[len(ids), V]``."""
     return _forward(state, list(ids), len(ids))
+
+
+@torch.inference_mode()
+def branch_feed_unread(state: DecodeState, token: torch.Tensor) -> torch.Tensor:
+    """Next-token logits ``[V]`` after one token the host has not read (a 0-d id on the model's device),
+    appended on a branch: a greedy segment drafts on without waiting for its tokens (#38)."""
+    return _forward(state, [UNREAD], 1, unread=token.reshape(1))[-1]
 
 
 # ----------------------------------------------------------------------------- scoring

@@ -41,6 +41,7 @@ from ensemble_core.errors import ConfigurationError, InvalidOptionError
 from ensemble_core.options import PromptLookupOptions, ReliabilityOptions, check_bool, check_choice, is_int
 from ensemble_core.text import alignment
 from ensemble_core.text.alignment import REPLACEMENT_CHAR, Tokenized
+from ensemble_core.transfer import read_together
 
 NORMALIZATIONS = ("softmax", "minmax", "none")
 #: Characters that end a word: a segment ending in anything else is cut back to a space.
@@ -288,7 +289,11 @@ def verify(view: MemberView, shared: str, candidates: Sequence[Candidate], scori
                                          [firsts[u].finished for u in todo])
         for u, v in zip(todo, scored):
             values[u] = v
-    raw = [float(v.mean()) if v is not None and len(v) else -math.inf for v in values]
+    scored_at = [u for u, v in enumerate(values) if v is not None and len(v)]
+    means = read_together([values[u].mean().reshape(1) for u in scored_at])  # type: ignore[union-attr]  # one read (#38)
+    raw = [-math.inf] * len(values)
+    for u, mean in zip(scored_at, means):
+        raw[u] = mean[0]
     return [raw[unique[(c.text, c.finished)]] for c in candidates], sum(not exact for _, exact in encoded)
 
 
