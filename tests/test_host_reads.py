@@ -39,6 +39,7 @@ def test_host_reads_count_scalar_reads_and_tolist_and_restore_tolist() -> None:
     with pytest.raises(RuntimeError), HostReads():
         raise RuntimeError("boom")
     assert torch.Tensor.tolist is original and torch.Tensor.cpu is original_cpu  # restored after an error too
+    assert not {"item", "__bool__", "tolist", "cpu"} & set(torch.Tensor.__dict__)  # inherited again, not copied in
     with HostReads() as reads, torch.inference_mode():  # the decoding loops' mode: no dispatch mode sees in here
         assert int(torch.ones(1)) == 1 and torch.ones(2).tolist() == [1.0, 1.0] and bool(torch.ones(1))
     assert reads.total == 3, reads.counts

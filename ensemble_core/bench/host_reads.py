@@ -74,7 +74,7 @@ class HostReads:
 
     counts: Counter[str] = field(default_factory=Counter)
     _mode: _ScalarReads | None = None
-    _originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    _originals: dict[str, Callable[..., Any] | None] = field(default_factory=dict)  # None: inherited
 
     @property
     def total(self) -> int:
@@ -86,8 +86,8 @@ class HostReads:
 
     def __enter__(self) -> HostReads:
         for name, kind in _READS.items():
-            self._originals[name] = original = getattr(torch.Tensor, name)
-            setattr(torch.Tensor, name, _counting(original, self.counts, kind))
+            self._originals[name] = torch.Tensor.__dict__.get(name)
+            setattr(torch.Tensor, name, _counting(getattr(torch.Tensor, name), self.counts, kind))
         self._mode = _ScalarReads(self.counts)
         self._mode.__enter__()
         return self
@@ -96,7 +96,10 @@ class HostReads:
         assert self._mode is not None
         self._mode.__exit__(*exc)
         for name, original in self._originals.items():
-            setattr(torch.Tensor, name, original)
+            if original is None:  # inherited from the C base: the class gets its own slot back, as before
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
         self._originals.clear()
 
 
