@@ -24,7 +24,9 @@ What it measures, written to ``OUT/gpu_check.json`` and printed:
   there); plus one default-threshold run (random members disagree everywhere, so that one is
   a stress test of the ensemble path, not a speed claim). Every method run also reports
   ``syncs_per_token``: CUDA synchronisations per output token (``torch.cuda.set_sync_debug_mode``,
-  counted in a second, untimed run; ``ensemble_core.bench.host_reads``).
+  counted in a second, untimed run; ``ensemble_core.bench.host_reads``), and ``reads_per_token``:
+  the host reads of that run (``HostReads``: the code's count, the same on a CPU, where a dry run
+  shows it; an upper bound of the synchronisations).
 - ``specem``: time to first segment and total time with two 1B members.
 - ``placement``: SAFE and SpecEM with the members on different devices (cuda and cpu).
 - ``batching``: total tokens/s of 1 and 16 concurrent GSM8K requests vs the same requests
@@ -52,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ensemble_core import Ensemble  # noqa: E402
 from ensemble_core.bench import verify_microbench  # noqa: E402
 from ensemble_core.bench.datasets import cot_prompt, load_dataset  # noqa: E402
-from ensemble_core.bench.host_reads import cuda_syncs  # noqa: E402
+from ensemble_core.bench.host_reads import HostReads, cuda_syncs  # noqa: E402
 from ensemble_core.decoding.members import Member  # noqa: E402
 from ensemble_core.decoding.verify_inline import score_candidates_inline, score_candidates_separately  # noqa: E402
 from ensemble_core.testing import tiny_config  # noqa: E402
@@ -123,13 +125,14 @@ def run_method(members: list[Member], method: str, tokens: int, **config) -> dic
     sync()
     result = ens.generate(prompt)
     tokens = result.stats.get("tokens", result.completion_tokens)  # random weights may pick text-less special tokens
-    with cuda_syncs() as syncs:  # a second, counted run (the counting slows it: not timed)
+    with cuda_syncs() as syncs, HostReads() as reads:  # a second, counted run (the counting slows it: not timed)
         counted = ens.generate(prompt)
     counted_tokens = max(1, counted.stats.get("tokens", counted.completion_tokens))
     return {"tokens": tokens, "seconds": result.seconds,
             "tokens_per_s": tokens / result.seconds if result.seconds else None,
             "time_to_first_chunk": result.time_to_first_chunk, "finish_reason": result.finish_reason,
             "syncs_per_token": syncs["syncs"] / counted_tokens if torch.cuda.is_available() else None,
+            "reads_per_token": round(reads.per_token(counted_tokens), 3),
             "stats": result.stats.as_dict(), "text_head": result.text[:80]}
 
 

@@ -45,6 +45,8 @@ def test_gpu_check_dry_runs_every_step(tmp_path: Path) -> None:
     steps = ("single", "verify_inline", "safe_ceiling", "specem", "placement", "batching", "batching_graphs")
     assert [s for s in steps if s not in report or "error" in report[s]] == [], {s: report.get(s) for s in steps}
     assert report["verify_inline"]["max_abs_diff_fp32"]["llama-1b"] < 1e-3
+    rows = report["safe_ceiling"]
+    assert all(row["reads_per_token"] >= 0 for row in rows.values()), rows  # the code's reads, counted on a CPU too
 
 
 @pytest.mark.real  # the bundled tokenizers, as above

@@ -171,6 +171,11 @@ class SafeRequest:
     text: str = ""
     counters: SafeStats = field(default_factory=lambda: SafeStats("safe"))  # counted as the request runs
     spent: int = 0  # generation steps: accepted drafter tokens + >= 1 per ensemble-chosen string
+    shares: list[float] | None = None  # ``weights`` as host floats, read once per request (the scan's averages)
+
+    def __post_init__(self) -> None:
+        if self.weights is not None and self.shares is None:
+            self.shares = self.weights.tolist()
 
     def used(self) -> int:
         """Budget used against ``max_new_tokens``: the drafter's tokens of the text, or the
@@ -373,7 +378,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         drafter_eos = request.views[request.drafter].member.eos_id_tensor
         drafter_keys = member_table(request.views[request.drafter].member).keys
         n_members = len(request.views)
-        share = request.weights.tolist() if request.weights is not None else None
+        share = request.shares
         for j in range(len(draft.ids)):
             is_eos = draft.eos and j == len(draft.ids) - 1
             if draft.bounds[j] is None:  # inside a character (or the lead) for the drafter
