@@ -242,20 +242,14 @@ class DecodeState:
             assert self._last_row is not None
             return self._last_row.unsqueeze(0)
         reuse_last = len(pending) < want  # nothing pending before new_ids: row 0 is cached
-        if reuse_last and self._last_row is None:
+        last = self._last_row
+        if reuse_last and last is None:
             raise InputError(f"Member {self.member.name!r} has no context to score from.")
-        t0 = time.perf_counter()
-        keep = min(len(pending), want)
-        rows = run_job(self.batch, self.member, self._job(pending, keep))
-        if reuse_last:
-            rows = torch.cat([self._last_row.to(rows.device).unsqueeze(0), rows], dim=0)
-        self.cached = len(self.ids)
-        self._fed_since_crop += len(pending)
-        self._last_row = rows[-1]
-        self.stats.forward_passes += 1
-        self.stats.tokens_fed += len(pending)
-        self.stats.seconds += time.perf_counter() - t0
-        return rows
+        rows = self._run(pending, min(len(pending), want))
+        if not reuse_last:
+            return rows
+        assert last is not None
+        return torch.cat([last.to(rows.device).unsqueeze(0), rows], dim=0)
 
     @torch.inference_mode()
     def score_unread(self, token: torch.Tensor) -> torch.Tensor:
@@ -268,17 +262,21 @@ class DecodeState:
         """
         if self.cached != len(self.ids):
             raise InputError(f"Member {self.member.name!r} has pending ids: score them before an unread token.")
-        t0 = time.perf_counter()
         self.ids.append(UNREAD)
-        job = self._job([UNREAD], 1, unread=token.reshape(1))
-        rows = run_job(self.batch, self.member, job)
+        return self._run([UNREAD], 1, unread=token.reshape(1))[-1]
+
+    def _run(self, pending: list[int], keep: int, unread: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward pass of the ``pending`` ids (all of ``ids[cached:]``): its last ``keep`` rows; the
+        state now caches every id and keeps the last row, and the pass is counted."""
+        t0 = time.perf_counter()
+        rows = run_job(self.batch, self.member, self._job(pending, keep, unread))
         self.cached = len(self.ids)
-        self._fed_since_crop += 1
+        self._fed_since_crop += len(pending)
         self._last_row = rows[-1]
         self.stats.forward_passes += 1
-        self.stats.tokens_fed += 1
+        self.stats.tokens_fed += len(pending)
         self.stats.seconds += time.perf_counter() - t0
-        return rows[-1]
+        return rows
 
     def settle(self, start: int, ids: Sequence[int]) -> None:
         """The values of unread ids, read at last: ``ids`` are this state's ids from position ``start`` on."""

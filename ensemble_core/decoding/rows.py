@@ -77,14 +77,15 @@ class TensorRows:
         rows = self._stacked()
         unread = isinstance(targets, torch.Tensor)
         k = min(len(targets), n)
-        at = to_device(targets.reshape(-1)[:k] if unread else [int(t) for t in targets[:k]], rows.device)
+        host = [] if unread else [int(t) for t in targets[:k]]
+        at = targets.reshape(-1)[:k].to(rows.device) if isinstance(targets, torch.Tensor) else to_device(host, rows.device)
         parts = [rows[torch.arange(k, device=rows.device), at], rows[:, to_device(eos, rows.device)].sum(dim=-1)]
         if argmax:
             parts.append(rows.argmax(dim=-1))
         if unread:
             parts.append(at)
         values = read_together(parts)
-        self.targets = values[-1] if unread else [int(t) for t in targets[:k]]
+        self.targets = values[-1] if unread else host
         self.known = {(r, t): p for r, (t, p) in enumerate(zip(self.targets, values[0]))}
         self.masses, self._eos = dict(enumerate(values[1])), eos
         if argmax:

@@ -289,11 +289,11 @@ def verify(view: MemberView, shared: str, candidates: Sequence[Candidate], scori
                                          [firsts[u].finished for u in todo])
         for u, v in zip(todo, scored):
             values[u] = v
-    scored_at = [u for u, v in enumerate(values) if v is not None and len(v)]
-    means = read_together([values[u].mean().reshape(1) for u in scored_at])  # type: ignore[union-attr]  # one read (#38)
+    nonempty = [(u, v) for u, v in enumerate(values) if v is not None and len(v)]
+    means = read_together([v.mean().reshape(1) for _, v in nonempty])  # one read for all candidates (#38)
     raw = [-math.inf] * len(values)
-    for u, mean in zip(scored_at, means):
-        raw[u] = mean[0]
+    for (u, _), (mean,) in zip(nonempty, means):
+        raw[u] = mean
     return [raw[unique[(c.text, c.finished)]] for c in candidates], sum(not exact for _, exact in encoded)
 
 
