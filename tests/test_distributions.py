@@ -7,15 +7,20 @@ behave as in production.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
+from ensemble_core.bench.host_reads import HostReads
 from ensemble_core.decoding.members import Member
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.text.distributions import (
     END,
+    BackingTable,
     GaC,
     UniTE,
+    backing_table,
     fusion_weights,
     geometric_mean,
     is_complete,
@@ -196,6 +201,84 @@ def test_fusion_weights_are_checked_and_normalised() -> None:
         with pytest.raises(InvalidOptionError, match="fusion_weights") as info:
             fusion_weights(bad, names)
         assert says in str(info.value), (bad, str(info.value))
+
+
+def _step_probs(members: list[Member], tables: list, step: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Peaked random vectors: odd steps lift strings every member may share (so the exact-text backing
+    is used), every seventh the end of the text, the rest stay random (so first sub-tokens are)."""
+    shared = random.Random(step).sample(sorted(k for k in tables[0].ids_of if k.isascii()), 8)
+    out = []
+    for member, table in zip(members, tables):
+        x = torch.randn(member.vocab_size, generator=generator) * 3
+        if step % 2:
+            for key in shared:
+                for i in table.ids_of.get(key, ()):
+                    x[i] += 12 + float(torch.rand(1, generator=generator))
+        if step % 7 == 0:
+            x[list(table.eos_ids)] += 14
+        out.append(torch.softmax(x, 0))
+    return out
+
+
+@pytest.mark.parametrize("sub_tokens", ["shared", "once"])
+def test_unite_fuses_on_the_device_as_by_text_in_one_read(sub_tokens: str, tiny_qwen: Member, tiny_llama: Member,
+                                                          tiny_gemma: Member) -> None:
+    """#38: the fusion gathers every member's probability of every candidate where the probabilities are
+    (:class:`BackingTable`) and reads the top-k ids with them: the same candidates and probabilities as
+    matching the strings on the host (two reads and a tokenizer call per step), in one read once each
+    string's first sub-tokens are known."""
+    members = [tiny_qwen, tiny_llama, tiny_gemma]  # three tokenizers: byte-level BPE twice, SentencePiece
+    rule = UniTE(members, top_k=5, sub_tokens=sub_tokens)
+    generator = torch.Generator().manual_seed(0)
+    rule.fuse(_step_probs(members, rule.tables, 99, generator))  # first use: the tables are built
+    for step in range(24):
+        probs = _step_probs(members, rule.tables, step, generator)
+        drafter = step % 3
+        with HostReads() as reads:
+            got = rule.fuse(probs, drafter=drafter)
+        assert reads.total <= 2, reads.counts  # the fusion, and the first sub-tokens of strings new to a member
+        want = rule._fuse_by_text(probs, drafter, [b""] * 3, None)
+        assert got.keys == want.keys and torch.equal(got.drafter_top, want.drafter_top), step
+        assert torch.allclose(got.member_probs, want.member_probs, rtol=1e-6, atol=0), step
+        assert torch.equal(got.fused, got.member_probs.mean(0)) and got.exclusive == (sub_tokens == "once")
+        with HostReads() as reads:
+            again = rule.fuse(probs, drafter=drafter)
+        assert reads.total == 1, reads.counts  # every string known now: the one read
+        assert torch.equal(again.member_probs, got.member_probs)
+
+
+def test_a_backing_table_says_what_a_queued_gather_holds(tiny_qwen: Member, tiny_llama: Member) -> None:
+    """A first sub-token learned by another thread after this thread queued its gather was not in it:
+    ``known`` answers by the fill count the gather saw, so the value is read, not taken as zero."""
+    rule = UniTE([tiny_qwen, tiny_llama])
+    union = rule.union
+    assert backing_table(union, 1, rule.tables[1]) is backing_table(union, 1, rule.tables[1])  # built once
+    backing = BackingTable(union, rule.tables[1])  # a fresh one: nothing learned yet
+    missing = next(k for k in rule.tables[0].ids_of if k not in rule.tables[1].ids_of and k.isascii() and len(k) > 6)
+    u = union.index[missing]
+    first = tiny_llama.tokenizer(missing.decode(), add_special_tokens=False)["input_ids"][0]
+    p = torch.softmax(torch.randn(tiny_llama.vocab_size), 0)
+    at = torch.tensor([u, union.index[b" the"]])
+    seen = backing.fills
+    before = backing.gather(p, at)  # queued before the first sub-token is known
+    assert not backing.learned(u) and not backing.known(u, seen)
+    backing.learn([(u, first)])  # as another thread would, before this one reads its gather
+    assert float(before[0]) == 0.0 and not backing.known(u, seen)
+    assert backing.known(u, backing.fills) and backing.first(u) == first and backing.exact(union.index[b" the"])
+    after = backing.gather(p, at)
+    assert float(after[0]) == float(p[first]) and float(after[1]) == float(p[one_id(tiny_llama, " the")])
+
+
+def test_gac_reads_its_candidates_once(tiny_llama: Member, tiny_gemma: Member) -> None:
+    smol = dist(tiny_llama, {one_id(tiny_llama, " wrong"): 0.5, one_id(tiny_llama, " Inc"): 0.4})
+    gemma = dist(tiny_gemma, {one_id(tiny_gemma, " wrong"): 0.5, one_id(tiny_gemma, " Incorrect"): 0.45})
+    rule = GaC([tiny_llama, tiny_gemma], top_k=3)
+    rule.fuse([smol, gemma])
+    with HostReads() as reads:
+        c = rule.fuse([smol, gemma], drafter=1)
+    assert reads.total == 1, reads.counts  # the top ids and their entries together (#38; were two reads)
+    assert c.keys[0] == b" wrong" and bool(c.drafter_top[0]) and len(set(c.keys)) == len(c.keys)
+    assert int(c.drafter_top.sum()) == 3  # the drafter's (Gemma's) top three come first, each once
 
 
 def test_gac_averages_over_the_union_vocabulary(tiny_llama: Member, tiny_gemma: Member) -> None:

@@ -21,6 +21,12 @@ member's probability and the average.
   probabilities (a sparse matmul with a 0/1 matrix, done as ``index_add``), the fused one
   the average.
 
+Both rules do their vocabulary work where the members' probabilities are and bring back only the
+few values a step needs, in one read (#38: on a GPU each read waits for the device): GaC its top
+candidates' entries, UniTE each member's top-k ids together with every member's probability of
+every candidate, gathered through a :class:`BackingTable` per member (which learns a string's first
+sub-token the first time it is a candidate: that step reads twice).
+
 Only *complete* strings are candidates: a token that stops inside a multi-byte character
 (SmolLM2's first byte of "東") cannot be appended as text. Its mass still counts where a
 complete string of another member starts with it (UniTE's first-token lookup). The chosen
@@ -241,6 +247,17 @@ def member_table(member: Any) -> TokenTable:
     return token_table(member.tokenizer, int(member.vocab_size), sorted(member.eos_token_ids))
 
 
+def prepare_fusion(members: Sequence[Any]) -> None:
+    """Build what fusing ``members`` needs, once per process: each member's :class:`TokenTable`, their
+    :class:`UnionVocabulary` and each member's :class:`BackingTable` (~1.4 s for the three bundled
+    tokenizers on two cores; a server's first request paid it mid-answer)."""
+    tables = [member_table(m) for m in members]
+    if len(tables) > 1:
+        union = union_vocabulary(tables)
+        for m, table in enumerate(tables):
+            backing_table(union, m, table)
+
+
 # ============================================================================ candidates
 @dataclass(frozen=True)
 class Candidates:
@@ -351,12 +368,20 @@ class Distribution(ABC):
         self.members = list(members)
         self.top_k = top_k
         self._tables: list[TokenTable] | None = None
+        self._union: UnionVocabulary | None = None
 
     @property
     def tables(self) -> list[TokenTable]:
         if self._tables is None:
             self._tables = [member_table(m) for m in self.members]
         return self._tables
+
+    @property
+    def union(self) -> UnionVocabulary:
+        """The members' :class:`UnionVocabulary` (built on first use, shared by every rule over these members)."""
+        if self._union is None:
+            self._union = union_vocabulary(self.tables)
+        return self._union
 
     def _check(self, probs: Sequence[torch.Tensor], drafter: int, prefixes: Sequence[bytes] | None,
                weights: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[bytes]]:
@@ -382,14 +407,18 @@ class Distribution(ABC):
         return out, list(prefixes) if prefixes is not None else [b""] * n
 
     @staticmethod
-    def _tops(rows: Sequence[torch.Tensor], selectable: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[list[int]]:
-        """Each row's ``sizes[i]`` most likely ids among ``selectable[i]``, found where the row lives and read
-        together: one host read per device, not one per member (#38)."""
+    def _top_ids(rows: Sequence[torch.Tensor], selectable: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Each row's ``sizes[i]`` most likely ids among ``selectable[i]``, found where the row lives (not read)."""
         picks = []
         for p, allowed, k in zip(rows, selectable, sizes):
             mask, count = _selectable_on(allowed, p.device)
             picks.append(torch.topk(p.masked_fill(~mask, -1.0), min(k, count)).indices)
-        return read_together(picks)
+        return picks
+
+    @classmethod
+    def _tops(cls, rows: Sequence[torch.Tensor], selectable: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[list[int]]:
+        """:meth:`_top_ids` read together: one host read per device, not one per member (#38)."""
+        return read_together(cls._top_ids(rows, selectable, sizes))
 
     @abstractmethod
     def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
@@ -455,6 +484,64 @@ class UniTE(Distribution):
     def fuse(self, probs: Sequence[torch.Tensor], drafter: int = 0,
              prefixes: Sequence[bytes] | None = None, weights: torch.Tensor | None = None) -> Candidates:
         probs, prefixes = self._check(probs, drafter, prefixes, weights)  # only top-k entries are read
+        if any(prefixes) or len({p.device for p in probs}) > 1:
+            return self._fuse_by_text(probs, drafter, prefixes, weights)
+        return self._fuse_on_device(probs, drafter, weights)
+
+    def _fuse_on_device(self, probs: Sequence[torch.Tensor], drafter: int, weights: torch.Tensor | None) -> Candidates:
+        """The fusion in one read (#38): where the members' probabilities are, each member's top-k is found,
+        mapped onto the union vocabulary, and every member's probability of each of those strings gathered
+        through its :class:`BackingTable`; the ids and probabilities then come back together. A string whose
+        first sub-token a member has not been asked for yet costs a second read, once per member and string
+        (:meth:`_learn`). Equal to :meth:`_fuse_by_text` (``tests/test_distributions.py`` holds it)."""
+        tables, union, n = self.tables, self.union, len(probs)
+        maps = union.maps_on(probs[0].device)
+        backings = [backing_table(union, m, table) for m, table in enumerate(tables)]
+        seen = [b.fills for b in backings]  # what the tables held when the gathers below were queued
+        picks = self._top_ids(probs, [t.selectable for t in tables], [self.top_k] * n)
+        at = torch.cat([maps[m][ids] for m, ids in enumerate(picks)])
+        gathered = torch.stack([b.gather(p, at) for b, p in zip(backings, probs)])
+        *top_ids, union_at, values = read_together([*picks, at, gathered])  # the one read
+        where: dict[Key, int] = {}  # a candidate's column in ``at`` (any column holding it: same string, same values)
+        tops: list[list[Key]] = []
+        offset = 0
+        for ids, table in zip(top_ids, tables):
+            own: list[Key] = [END if i in table.eos_ids else table.keys[i] for i in ids]  # type: ignore[misc]
+            for j, key in enumerate(own):
+                where.setdefault(key, offset + j)
+            tops.append(own)
+            offset += len(own)
+        order = [drafter] + [m for m in range(n) if m != drafter]
+        keys, drafter_top = _gather_candidates(tops, order, drafter)
+        places = [union_at[where[key]] for key in keys]  # the candidates' union indices
+        learned = self._learn(keys, places, backings, seen, probs)
+        width, once = len(union_at), self.sub_tokens == "once"
+        member_probs = torch.tensor([_backed(backing, keys, places, [values[m * width + where[key]] for key in keys],
+                                             learned[m], once) for m, backing in enumerate(backings)], dtype=torch.float32)
+        return Candidates(tuple(keys), member_probs, weighted_mean(member_probs, weights), drafter_top, weights, once)
+
+    def _learn(self, keys: Sequence[Key], places: Sequence[int], backings: Sequence[BackingTable], seen: Sequence[int],
+               probs: Sequence[torch.Tensor]) -> list[dict[int, float]]:
+        """Per member, the probabilities of the candidates whose backing its table did not hold when the
+        gathers were queued (``{candidate: probability}``), read together; the first sub-tokens found are
+        written into the tables, so that the next time the string is a candidate it is gathered with the rest."""
+        asks: list[list[tuple[int, int]]] = []  # per member: (candidate, first sub-token id)
+        for backing, member, count in zip(backings, self.members, seen):
+            unknown = [(c, u) for c, u in enumerate(places) if not backing.known(u, count)]
+            fresh = [(c, u) for c, u in unknown if not backing.learned(u)]
+            if fresh:
+                texts = [keys[c].decode("utf-8") for c, _ in fresh]  # type: ignore[union-attr]
+                encoded = member.tokenizer(texts, add_special_tokens=False)["input_ids"]
+                backing.learn([(u, int(e[0]) if e and 0 <= e[0] < backing.size else None) for (_, u), e in zip(fresh, encoded)])
+            asks.append([(c, first) for c, u in unknown if (first := backing.first(u)) is not None])
+        got = read_together([p[to_device([f for _, f in ask], p.device)] for p, ask in zip(probs, asks)]) if any(asks) else []
+        return [dict(zip((c for c, _ in ask), values)) for ask, values in zip(asks, got)] if got else [{} for _ in asks]
+
+    def _fuse_by_text(self, probs: Sequence[torch.Tensor], drafter: int, prefixes: Sequence[bytes],
+                      weights: torch.Tensor | None) -> Candidates:
+        """The fusion with candidates matched as text, in two reads (top-k ids, then the probabilities of
+        the tokens backing the candidates): for a reply's start, where a member's candidates carry a prefix,
+        and for members on different devices."""
         tables = self.tables
         order = [drafter] + [m for m in range(len(probs)) if m != drafter]
         tops: list[list[Key]] = []
@@ -501,6 +588,21 @@ class UniTE(Distribution):
                 ids.append(first)
                 slots.append(c)
         return ids, slots
+
+
+def _backed(backing: BackingTable, keys: Sequence[Key], places: Sequence[int], gathered: Sequence[float],
+            learned: dict[int, float], once: bool) -> list[float]:
+    """One member's probability of each candidate (``places``: their union indices; ``gathered``: the values
+    its :class:`BackingTable` gathered; ``learned``: the values read for candidates it did not hold yet): a
+    candidate that is one of its tokens counts them, any other its first sub-token, which with ``once`` backs
+    one candidate at most (:func:`one_candidate_per_token`), as :meth:`UniTE._backing` rules on the host."""
+    exact = [backing.exact(u) for u in places]
+    firsts = [(c, first) for c, u in enumerate(places) if not exact[c] and (first := backing.first(u)) is not None]
+    if once:
+        taken = {i for u, ok in zip(places, exact) if ok for i in backing.ids(u)}
+        firsts = one_candidate_per_token(firsts, taken, [len(keys[c]) for c, _ in firsts])  # type: ignore[arg-type]
+    backed = {c for c, _ in firsts}
+    return [learned.get(c, value) if exact[c] or c in backed else 0.0 for c, value in enumerate(gathered)]
 
 
 def one_candidate_per_token(firsts: Sequence[tuple[int, int]], taken: set[int],
@@ -585,6 +687,105 @@ def union_vocabulary(tables: Sequence[TokenTable]) -> UnionVocabulary:
     return union
 
 
+class BackingTable:
+    """Which of one member's tokens back each string of a union vocabulary, kept where the probabilities are.
+
+    Why (#38): UniTE matches candidates as text, so finding a member's probability of another member's
+    string took a host read of the top-k ids, a tokenizer call and a second read. With this table a
+    member's probability of any union string is a gather on the device, in the same read as the top-k.
+
+    Row ``u`` holds the member's ids whose text is union string ``u`` (its EOS ids for the end of the
+    text), padded with -1. A string that is not one of the member's tokens is backed by the first token
+    of the member's encoding of it (UniTE's rule): that needs the tokenizer, and encoding all of a
+    union's 10^5 strings up front costs 2-6 s per member on two cores, so it is filled in the first time
+    the string is a candidate (:meth:`learn`); each fill is numbered, and a gather queued when the table
+    had ``seen`` fills holds the entries numbered up to ``seen`` (:meth:`known`), whatever other threads
+    add meanwhile.
+    """
+
+    def __init__(self, union: UnionVocabulary, table: TokenTable) -> None:
+        self.size = table.size
+        self._table = table
+        self._end = union.end
+        self._keys = union.keys
+        width = max(1, len(table.eos_ids), *map(len, table.ids_of.values()))
+        self._rows = torch.full((len(union.keys) + 2, width), -1, dtype=torch.long)
+        for j in range(width):
+            pairs = [(union.index[key], ids[j]) for key, ids in table.ids_of.items() if len(ids) > j]
+            if j < len(table.eos_ids):
+                pairs.append((union.end, table.eos_ids[j]))
+            if pairs:
+                at, ids = zip(*pairs)
+                self._rows[list(at), j] = torch.tensor(ids, dtype=torch.long)
+        self._copies: dict[str, torch.Tensor] = {}
+        self._firsts: dict[int, tuple[int | None, int]] = {}  # union index -> (first sub-token or None, fill number)
+        self._lock = threading.Lock()
+        self.fills = 0
+
+    def exact(self, u: int) -> bool:
+        """Whether union string ``u`` is one of the member's tokens (or is the end of the text)."""
+        return u == self._end or self._keys[u] in self._table.ids_of
+
+    def ids(self, u: int) -> tuple[int, ...]:
+        """The member's tokens with exactly union string ``u``'s text (its EOS ids for the end)."""
+        return self._table.eos_ids if u == self._end else self._table.ids_of.get(self._keys[u], ())
+
+    def learned(self, u: int) -> bool:
+        return u in self._firsts
+
+    def first(self, u: int) -> int | None:
+        """The first token of the member's encoding of union string ``u``, once learned (None: not, or none)."""
+        hit = self._firsts.get(u)
+        return hit[0] if hit is not None else None
+
+    def known(self, u: int, seen: int) -> bool:
+        """Whether a gather queued when the table had ``seen`` fills holds ``u``'s backing."""
+        hit = self._firsts.get(u)
+        return self.exact(u) or (hit is not None and hit[1] <= seen)
+
+    def learn(self, firsts: Sequence[tuple[int, int | None]]) -> None:
+        """Record ``(union index, first sub-token id or None)`` pairs, on the host and on every device copy."""
+        with self._lock:
+            new = [(u, f) for u, f in firsts if u not in self._firsts]
+            filled = [(u, f) for u, f in new if f is not None]
+            if filled:
+                at, values = (list(column) for column in zip(*filled))
+                self._rows[at, 0] = torch.tensor(values, dtype=torch.long)
+                for copy in self._copies.values():  # queued before any later gather on that device
+                    copy[to_device(at, copy.device), 0] = to_device(values, copy.device)
+            for u, f in new:
+                self.fills += 1
+                self._firsts[u] = (f, self.fills)
+
+    def gather(self, probs: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """The member's probability of each union string in ``at`` (``probs`` its vector), where ``probs`` is."""
+        with self._lock:
+            rows = self._copies.get(str(probs.device))
+            if rows is None:
+                rows = self._copies[str(probs.device)] = to_device(self._rows, probs.device)
+        ids = rows[at]
+        return torch.where(ids >= 0, probs[ids.clamp(min=0)], 0.0).sum(-1)
+
+
+_BACKINGS: dict[tuple[int, int], tuple[UnionVocabulary, BackingTable]] = {}
+
+
+def backing_table(union: UnionVocabulary, member: int, table: TokenTable) -> BackingTable:
+    """The :class:`BackingTable` of member ``member`` (whose table is ``table``) over ``union``, built once."""
+    key = (id(union), member)
+    with _TABLE_LOCK:
+        hit = _BACKINGS.get(key)
+        if hit is not None and hit[0] is union:
+            return hit[1]
+    with _gc_paused():
+        built = BackingTable(union, table)
+    with _TABLE_LOCK:
+        hit = _BACKINGS.get(key)
+        if hit is None or hit[0] is not union:  # a concurrent first request may have built it meanwhile
+            hit = _BACKINGS[key] = (union, built)
+    return hit[1]
+
+
 class GaC(Distribution):
     """Union vocabulary: full distributions mapped onto the union of token texts.
 
@@ -596,16 +797,6 @@ class GaC(Distribution):
     """
 
     name = "gac"
-
-    def __init__(self, members: Sequence[Any], top_k: int = 10) -> None:
-        super().__init__(members, top_k)
-        self._union: UnionVocabulary | None = None
-
-    @property
-    def union(self) -> UnionVocabulary:
-        if self._union is None:
-            self._union = union_vocabulary(self.tables)
-        return self._union
 
     def union_probs(self, probs: Sequence[torch.Tensor], drafter: int = 0) -> torch.Tensor:
         """Each member's distribution over the union vocabulary, ``[members, union + 2]``, where the drafter's are.
@@ -631,12 +822,16 @@ class GaC(Distribution):
         order = [drafter] + [m for m in range(len(probs)) if m != drafter]
         if not any(prefixes):
             fused = weighted_mean(per_member, weights)
-            drafter_top, fused_top = self._tops([per_member[drafter], fused], [union.selectable] * 2, [self.top_k, k])
+            picks = self._top_ids([per_member[drafter], fused], [union.selectable] * 2, [self.top_k, k])
+            index = torch.cat(picks)  # the drafter's top-k, then the fused top: one may repeat the other
+            rows = torch.cat([per_member[:, index], fused[index][None]])
+            drafter_top, fused_top, values = read_together([*picks, rows])  # one read: the ids and their entries (#38)
+            at = list(enumerate(drafter_top + fused_top))
+            first = {u: i for i, u in reversed(at)}
             chosen = list(dict.fromkeys(drafter_top + fused_top))
-            index = torch.tensor(chosen, dtype=torch.long, device=per_member.device)
+            rows = torch.tensor(values, dtype=rows.dtype).view(len(probs) + 1, len(at))[:, [first[u] for u in chosen]]
             top = torch.zeros(len(chosen), dtype=torch.bool)
             top[: len(drafter_top)] = True
-            rows = torch.cat([per_member[:, index], fused[index][None]]).cpu()  # one transfer: the candidates' entries
             return Candidates(tuple(union.key(i) for i in chosen), rows[:-1], rows[-1], top, weights)
         tops: list[list[Key]] = []
         sizes = [self.top_k if m == drafter else k for m in range(len(prefixes))]
