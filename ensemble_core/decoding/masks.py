@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ensemble_core.errors import UnsupportedModelError
+from ensemble_core.transfer import HOST, to_device
 
 #: Attention implementations that add a custom 4-D float mask to the scores (FlashAttention
 #: ignores it): what verify-in-line, batched and static passes need.
@@ -84,7 +85,9 @@ def packed_masks(state: Any, lengths: Sequence[int]) -> tuple[Any, torch.Tensor]
     dtype = model.dtype if model.dtype.is_floating_point else torch.float32
     n = int(sum(lengths))
     context = state.cache.get_seq_length()
-    q_pos, own = packed_layout(lengths, context, device)
+    # laid out on the host and handed over without a wait: built on a GPU, the lengths' copy and
+    # repeat_interleave's output size each synchronised the stream once per packed pass (#38)
+    q_pos, own = (to_device(t, device) for t in packed_layout(lengths, context, HOST))
     types = layer_types(model)
     masks: dict[str, torch.Tensor] = {}
     for kind in dict.fromkeys(types):
