@@ -22,7 +22,8 @@ others), and printed:
   the defaults (random members disagree everywhere: a worst case, not a claim), every-token,
   SpecEM and generate-then-select on two 7-8B-class members.
 - with ``--passes static graphs`` (:mod:`ensemble_core.decoding.static`): per member shape the
-  core's ``single`` with those passes (``core_single_graphs_ms`` ...) and ``passes_<mode>``: the
+  core's ``single`` with those passes (``core_single_graphs_ms`` ...; ``core_single_graphs_steps16_ms``:
+  graphed, 16 steps queued per read, ``steps_per_read``) and ``passes_<mode>``: the
   largest logit difference and greedy agreement against eager over every kind of pass
   (:func:`ensemble_core.testing.lockstep`; graphs against static should be 0: the same kernels),
   the captures, replays and fallback reasons; every method row again with graphed members
@@ -131,8 +132,8 @@ def static_generate(member: Member, ids: torch.Tensor) -> Callable[[int], None]:
     return run
 
 
-def core_single(member: Member) -> Callable[[int], None]:
-    ensemble = Ensemble([member], method="single")
+def core_single(member: Member, **options: Any) -> Callable[[int], None]:
+    ensemble = Ensemble([member], method="single", **options)
 
     def run(n: int) -> None:
         ensemble.generate(cot_prompt(QUESTION), max_new_tokens=n)
@@ -168,6 +169,8 @@ def member_speeds(member: Member, tokens: int, gbps: float, passes: tuple[str, .
         "core_single": lambda: core_single(member)}
     chosen = [(f"{path}_ms", makers[path]) for path in paths]
     chosen += [(f"core_single_{mode}_ms", lambda mode=mode: core_single(twin(member, mode))) for mode in passes]
+    if "graphs" in passes:  # 16 graphed steps queued per read (steps_per_read): the host runs ahead of the device
+        chosen.append(("core_single_graphs_steps16_ms", lambda: core_single(twin(member, "graphs"), steps_per_read=16)))
     for key, make in chosen:
         try:
             out[key] = slope_ms(make(), tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ensemble_core import Ensemble, InvalidOptionError, Member
+from ensemble_core.bench.host_reads import HostReads
 from ensemble_core.methods.every_token import EveryTokenConfig, EveryTokenEnsemble
 from ensemble_core.methods.generate_then_select import GenerateThenSelect
 from ensemble_core.methods.single import SingleModel
@@ -63,3 +64,48 @@ def test_generate_then_select_with_prompt_lookup_writes_the_same_answers(tiny_pa
     assert sum(passes[1]) < sum(passes[0]), passes
 
 
+
+
+# ----------------------------------------------------------------------------- single: steps per read
+def test_single_reads_bursts_of_steps_with_the_same_tokens(tiny_pair: list[Member]) -> None:
+    """``steps_per_read`` (#38): greedy steps queued unread and read once per burst (1, 2, 4, ... 16 steps) write
+    what reading every token writes, streamed and batched too, with ~6 reads for 40 tokens instead of 40."""
+    member = tiny_pair[0]
+    each = Ensemble([member], method="single", max_new_tokens=40, batching=False).generate(PROMPTS[0])
+    method = Ensemble([member], method="single", max_new_tokens=40, batching=False, steps_per_read=16)
+    with HostReads() as reads:
+        burst = method.generate(PROMPTS[0])
+    assert (burst.text, burst.finish_reason, burst.stats["tokens"]) == (each.text, each.finish_reason, 40)
+    assert each.stats["rounds"] == 40 and burst.stats["rounds"] == 6  # 1 + 2 + 4 + 8 + 16 + 9
+    assert reads.per_token(40) <= 0.25, reads.counts  # one read per burst (a cut character may add one)
+    assert "".join(method.stream(PROMPTS[0])) == each.text
+    batched = Ensemble([member], method="single", max_new_tokens=40, steps_per_read=16).batch(PROMPTS[:2])
+    assert batched[0].text == each.text
+
+
+def test_steps_per_read_leaves_sampling_and_grammars_one_token_per_read(tiny_pair: list[Member]) -> None:
+    member = tiny_pair[0]
+    sampled = [Ensemble([member], method="single", max_new_tokens=12, do_sample=True, seed=3, batching=False, steps_per_read=n)
+               .generate(PROMPTS[1]) for n in (1, 16)]
+    assert sampled[0].text == sampled[1].text and sampled[1].stats["rounds"] == 12  # a token per round
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    shaped = Ensemble([member], method="single", max_new_tokens=24, batching=False, steps_per_read=16,
+                         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    result = shaped.generate(PROMPTS[1])
+    assert result.stats["rounds"] == result.stats["tokens"] or result.finish_reason == "eos"
+    for bad in (0, 65, True, 2.0):
+        with pytest.raises(InvalidOptionError, match="steps_per_read"):
+            Ensemble([member], method="single", steps_per_read=bad)
+
+
+@pytest.mark.real
+def test_a_burst_ends_at_the_end_of_text_as_reading_each_token_does(smollm2: Member) -> None:
+    """The steps queued behind an end of text are dropped: the same reply, the same finish, the state cropped
+    to the reply (a real model that ends its answer inside a burst)."""
+    prompt = "What is 2+2? Answer in one short sentence."
+    each = Ensemble([smollm2], method="single", max_new_tokens=64, batching=False).generate(prompt)
+    method = Ensemble([smollm2], method="single", max_new_tokens=64, batching=False, steps_per_read=16)
+    burst = method.generate(prompt)
+    assert each.finish_reason == "eos" and each.stats["tokens"] < 31  # ends inside the 16-step burst
+    assert (burst.text, burst.finish_reason, burst.stats["tokens"]) == (each.text, "eos", each.stats["tokens"])
+    assert burst.stats["rounds"] < each.stats["rounds"] / 2

@@ -64,7 +64,7 @@ def draft_tokens(state: Any, limit: int, budget: int, pipeline: TokenPipeline, c
     own = delegate(state, "draft_tokens") if not pipeline.constrained else None
     if own is not None:
         return own(limit, budget, pipeline.config, pipeline.generator, confidence, lookup)
-    if _unread_drafting(state, pipeline, confidence, lookup):
+    if unread_drafting(state, pipeline, confidence, lookup):
         return _draft_unread(state, limit, budget, pipeline)
     member = state.member
     base = len(state.ids)
@@ -101,7 +101,7 @@ def draft_tokens(state: Any, limit: int, budget: int, pipeline: TokenPipeline, c
     return ids, TensorRows(probs).read_ahead(ids, member.eos_id_tensor, argmax=False)  # one read per draft
 
 
-def _unread_drafting(state: Any, pipeline: TokenPipeline, confidence: float, lookup: int) -> bool:
+def unread_drafting(state: Any, pipeline: TokenPipeline, confidence: float = 0.0, lookup: int = 0) -> bool:
     """Whether the draft can keep its ids on the device until its end: a greedy, unconstrained draft with no
     decision taken per token (no draft confidence, no prompt-lookup guesses) on a local state."""
     return (hasattr(state, "score_unread") and not pipeline.constrained and not pipeline.config.do_sample
@@ -276,7 +276,7 @@ def draft_segment(state: Any, length: int, pipeline: TokenPipeline, stops: Seque
     own = delegate(state, "draft_segment")
     if own is not None:
         return own(length, pipeline.config, pipeline.generator, stops, tail, pipeline.grammar, lookup)
-    if _unread_drafting(state, pipeline, 0.0, lookup):
+    if unread_drafting(state, pipeline, 0.0, lookup):
         return _segment_unread(state, length, pipeline, stops, tail)
     return _segment_read(state, length, pipeline, stops, tail, lookup)
 

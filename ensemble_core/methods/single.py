@@ -7,43 +7,80 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ensemble_core.decoding.drafting import draft_tokens, unread_drafting
 from ensemble_core.decoding.generation import Chunk, EnsembleMethod, GenerationConfig
 from ensemble_core.decoding.rows import next_row
 from ensemble_core.decoding.stats import MemberStats, RequestStats
 from ensemble_core.decoding.view import MemberView, start_views
+from ensemble_core.options import check_int
 from ensemble_core.text.alignment import IncrementalDecoder
 from ensemble_core.text.chat import Prompt
+
+#: The most steps a request queues before a read (a reply's bursts stay short; the steps past its end, few).
+MAX_STEPS_PER_READ = 64
+
+
+@dataclass(frozen=True)
+class SingleConfig(GenerationConfig):
+    """Single-model options.
+
+    ``steps_per_read``: greedy, unconstrained decoding queues up to this many steps on the device before
+    it reads their tokens (vLLM's multi-step scheduling; #38). Why: each read waits for every kernel
+    queued before it, so a loop that reads each token before it queues the next step leaves a GPU idle
+    while the host does its per-token work, which a graph-captured step makes the larger share. The
+    tokens are the same; what changes: the text arrives in bursts (the first read after one step, then
+    2, 4, ... up to ``steps_per_read``, so the first token is not delayed), and up to
+    ``steps_per_read - 1`` steps behind an end of text are computed and dropped. 1 (the default until a
+    lent GPU measures the gain): one read per token. Sampling, a grammar or tools read per token always.
+    """
+
+    steps_per_read: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("steps_per_read", self.steps_per_read, 1, MAX_STEPS_PER_READ)
 
 
 @dataclass
 class _SingleRequest:
     views: list[MemberView]
-    config: GenerationConfig
+    config: SingleConfig
     decoder: IncrementalDecoder
     rounds: int = 0
+    steps: int = 1  # the steps the next round may queue before its read (doubles up to steps_per_read)
 
 
-class SingleModel(EnsembleMethod[GenerationConfig]):
-    """The first member alone, one token per round, through its KV cache."""
+class SingleModel(EnsembleMethod[SingleConfig]):
+    """The first member alone, through its KV cache: one token per round, or a burst read at once."""
 
     name = "single"
-    config_class = GenerationConfig
+    config_class = SingleConfig
     min_members = 1
 
-    def begin(self, prompt: Prompt, config: GenerationConfig) -> _SingleRequest:
+    def begin(self, prompt: Prompt, config: SingleConfig) -> _SingleRequest:
         member = self.members[0]
         return _SingleRequest(start_views([member], prompt, config), config, IncrementalDecoder(member.tokenizer))
 
     def step(self, request: _SingleRequest) -> Chunk:
         view = request.views[0]
         state, member = view.state, view.member
-        token, _ = view.pipeline.next_token(next_row(state))
+        left = request.config.max_new_tokens - len(state.response_ids)
+        steps = min(request.steps, left)
+        request.steps = min(2 * request.steps, request.config.steps_per_read)
         request.rounds += 1
-        if token in member.eos_token_ids:
-            return Chunk("", done=True, finish_reason="eos")
-        view.pipeline.accept(token)
-        state.extend([token])
-        delta = request.decoder.push([token])  # a token ending inside a character adds nothing yet
+        if steps > 1 and unread_drafting(state, view.pipeline):
+            # the greedy steps queued with their ids left on the device, read once (drafting._draft_unread);
+            # the last token is fed by the next round, as the one-token round feeds its token
+            tokens, _ = draft_tokens(state, steps, left, view.pipeline)
+        else:
+            tokens = [view.pipeline.next_token(next_row(state))[0]]
+        # the state holds every token but the last (the end of the text, or the next round's first to feed)
+        if tokens[-1] in member.eos_token_ids:
+            return Chunk(request.decoder.push(tokens[:-1]), done=True, finish_reason="eos")
+        for token in tokens:
+            view.pipeline.accept(token)
+        state.extend(tokens[-1:])
+        delta = request.decoder.push(tokens)  # a token ending inside a character adds nothing yet
         if len(state.response_ids) >= request.config.max_new_tokens:
             return Chunk(delta + request.decoder.flush(), done=True, finish_reason="length")
         return Chunk(delta)
