@@ -581,9 +581,11 @@ class UniTE(Distribution):
         if missing:
             texts = [key.decode("utf-8") for _, key in missing]
             encoded = member.tokenizer(texts, add_special_tokens=False)["input_ids"]
-            firsts = [(c, int(first[0])) for (c, _), first in zip(missing, encoded) if first and 0 <= first[0] < table.size]
-            if once:
-                firsts = one_candidate_per_token(firsts, set(ids), [len(prefix + key) for _, key in missing])
+            found = [((c, int(first[0])), len(key)) for (c, key), first in zip(missing, encoded)
+                     if first and 0 <= first[0] < table.size]
+            firsts = [pair for pair, _ in found]
+            if once:  # lengths of the strings that have a first sub-token (were of every missing string: misaligned)
+                firsts = one_candidate_per_token(firsts, set(ids), [length for _, length in found])
             for c, first in firsts:
                 ids.append(first)
                 slots.append(c)
