@@ -40,6 +40,7 @@ from llama_index.llms.ensemble.messages import INVALID_CALL, assistant_message, 
 from test_llamaindex_agent import ScriptedLM
 
 from ensemble_core import Ensemble, Member
+from ensemble_core.bench.host_reads import HostReads
 from ensemble_core.constraints.grammar import JsonConstraint
 from ensemble_core.constraints.lazy import (
     ANSWER_REQUEST,
@@ -349,6 +350,35 @@ def test_every_method_completes_a_started_call_under_the_grammar(method: str) ->
     assert call.name == "multiply" and set(call.arguments) == {"a", "b"}  # the values off the script are the mask's pick
     assert all(isinstance(v, (int, float)) for v in call.arguments.values())
     assert not result.structured.invalid_tool_calls
+
+
+CHATTY = "Let me multiply these two numbers for you. <tool_call>\n" + BAD + "\n</tool_call>"
+
+
+def calls_of(result: Any) -> list[tuple[str, dict]]:
+    return [(call.name, call.arguments) for call in result.tool_calls]  # call ids are drawn per reply
+
+
+def test_a_call_that_starts_in_an_unread_burst_is_decoded_on_under_its_grammar() -> None:
+    """#38: with tools (``tool_choice="auto"``) the free text before a call is drafted with its ids on the
+    device and read once; the pipeline follows the ids after the read, and the draft is cut behind the token
+    that starts the call and goes on under the call's grammar: the same reply and call as reading every
+    token, in fewer reads (single's bursts; SAFE's published drafting)."""
+    qwen = scripted_member(QWEN, CHATTY, "chatty-qwen")
+    each = Ensemble([qwen], method="single").generate("6 times 7?", tools=TOOLS, max_new_tokens=64)
+    assert each.text.startswith("Let me multiply") and len(each.tool_calls) == 1  # the call is the mask's
+    burst = Ensemble([qwen], method="single", steps_per_read=16).generate("6 times 7?", tools=TOOLS, max_new_tokens=64)
+    assert (burst.text, calls_of(burst)) == (each.text, calls_of(each))
+    assert burst.stats["rounds"] < each.stats["rounds"] - 5  # the free text in bursts, the call a token per read
+    pair = [scripted_member(SMOL, CHATTY, "chatty-smol"), qwen]
+    results = []
+    for confidence in (0.0, 0.01):  # published drafting: unread; a draft confidence: read token by token
+        ensemble = Ensemble(pair, method="safe", published=True, draft_confidence=confidence, batching=False)
+        with HostReads() as reads:
+            results.append((ensemble.generate("6 times 7?", tools=TOOLS, max_new_tokens=64), reads.total))
+    (unread, unread_reads), (read, read_reads) = results
+    assert (unread.text, calls_of(unread)) == (read.text, calls_of(read)) and len(unread.tool_calls) == 1
+    assert unread_reads < read_reads, (unread_reads, read_reads)
 
 
 @pytest.mark.parametrize("method", ["single", "safe", "every-token", "specem"])

@@ -372,6 +372,14 @@ class LazyState:
         left, at = self._budget
         return left - max(0, self.accepts - at)
 
+    @property
+    def free(self) -> bool:
+        """Whether :meth:`process` leaves the logits as they are now (free text before any call, calls allowed,
+        no value owed): a draft may then choose its tokens on the device and follow them after reading them,
+        as long as it stops behind the first token that leaves this state (#38)."""
+        return (self.active is None and not self.ended and not self.calls.forbid and not self.owes
+                and self.call_end is None)
+
     # ------------------------------------------------------------------ choosing a token
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Free logits unchanged; under an active call the grammar's mask, loop penalty and closing

@@ -64,7 +64,7 @@ def draft_tokens(state: Any, limit: int, budget: int, pipeline: TokenPipeline, c
     own = delegate(state, "draft_tokens") if not pipeline.constrained else None
     if own is not None:
         return own(limit, budget, pipeline.config, pipeline.generator, confidence, lookup)
-    if unread_drafting(state, pipeline, confidence, lookup):
+    if unread_drafting(state, pipeline, confidence, lookup, follow_calls=True):
         return _draft_unread(state, limit, budget, pipeline)
     member = state.member
     base = len(state.ids)
@@ -101,11 +101,14 @@ def draft_tokens(state: Any, limit: int, budget: int, pipeline: TokenPipeline, c
     return ids, TensorRows(probs).read_ahead(ids, member.eos_id_tensor, argmax=False)  # one read per draft
 
 
-def unread_drafting(state: Any, pipeline: TokenPipeline, confidence: float = 0.0, lookup: int = 0) -> bool:
+def unread_drafting(state: Any, pipeline: TokenPipeline, confidence: float = 0.0, lookup: int = 0,
+                    follow_calls: bool = False) -> bool:
     """Whether the draft can keep its ids on the device until its end: a greedy, unconstrained draft with no
-    decision taken per token (no draft confidence, no prompt-lookup guesses) on a local state."""
-    return (hasattr(state, "score_unread") and not pipeline.constrained and not pipeline.config.do_sample
-            and not confidence and not lookup)
+    decision taken per token (no draft confidence, no prompt-lookup guesses) on a local state.
+    ``follow_calls``: the draft can stop behind a token that starts a call (:func:`_draft_unread`), so lazy
+    calls in free text (``tool_choice="auto"``, an agent's turn) need not read per token either."""
+    free = pipeline.unmasked if follow_calls else not pipeline.constrained
+    return hasattr(state, "score_unread") and free and not pipeline.config.do_sample and not confidence and not lookup
 
 
 def _draft_unread(state: Any, limit: int, budget: int, pipeline: TokenPipeline) -> tuple[list[int], TensorRows]:
@@ -117,8 +120,10 @@ def _draft_unread(state: Any, limit: int, budget: int, pipeline: TokenPipeline) 
     device once per token, so it could never queue the next pass ahead (SAFE's drafter choices were
     1.3 of its 3.0 reads per output token). The same ids as that loop: the same rows and argmax. What
     it cannot see until the read it repairs after: a draft that ended at EOS is cut there (the
-    passes fed behind it are cropped away), and one that ends inside a character drafts on,
-    token by token, as the loop does.
+    passes fed behind it are cropped away); under lazy calls the pipeline follows the ids after the
+    read, and a draft in which a call started is cut behind the token that started it and drafts on
+    under the call's grammar, token by token, as the loop does; so does one that ends inside a
+    character.
     """
     member = state.member
     base = len(state.ids)
@@ -137,23 +142,37 @@ def _draft_unread(state: Any, limit: int, budget: int, pipeline: TokenPipeline) 
     rows = TensorRows(probs).read_ahead(torch.stack(tokens), eos, argmax=False)  # the one read of the draft
     ids = list(rows.targets)
     state.settle(base, ids[:n - 1])
-    end = next((i for i, t in enumerate(ids) if t in member.eos_token_ids), None)
-    if end is not None:
-        if end < n - 1:
-            state.crop(base + end)
-            ids, rows = ids[:end + 1], rows.head(end + 1)
+    end = _followed(ids, member, pipeline)
+    if end is not None and end < n - 1:  # the end of the text, or a call started: what was fed behind it goes
+        state.crop(base + end)
+        ids, rows, probs = ids[:end + 1], rows.head(end + 1), probs[:end + 1]
+    if ids[-1] in member.eos_token_ids:
         return ids, rows
-    more = False  # a character cut at the draft's end: draft on as the token-by-token loop does
-    while (len(ids) < budget and len(ids) < limit + PARTIAL_CHAR_TOKENS
-           and decode_suffix(member.tokenizer, context, ids).endswith(REPLACEMENT_CHAR)):
+    more = False  # token by token from here, as the loop that reads each token drafts: the rest of a draft
+    # cut where a call started (under the call's grammar now), or a character cut at the draft's end
+    while len(ids) < budget and (len(ids) < limit or (
+            len(ids) < limit + PARTIAL_CHAR_TOKENS
+            and decode_suffix(member.tokenizer, context, ids).endswith(REPLACEMENT_CHAR))):
         token, p = pipeline.next_token(state.score([ids[-1]])[-1])
         assert p is not None
         ids.append(token)
         probs.append(p)
+        pipeline.accept(token)
         more = True
         if token in member.eos_token_ids:
             break
     return ids, (TensorRows(probs).read_ahead(ids, eos, argmax=False) if more else rows)
+
+
+def _followed(ids: Sequence[int], member: Any, pipeline: TokenPipeline) -> int | None:
+    """Advance ``pipeline`` by the drafted ``ids`` in order, as the drafting loop does token by token; the
+    index of the first that ends the draft's unread part: the end of the text, or one after which the
+    next token is no longer chosen from the raw logits (a call started under lazy calls). None: neither."""
+    for i, token in enumerate(ids):
+        pipeline.accept(token)
+        if token in member.eos_token_ids or not pipeline.unmasked:
+            return i
+    return None
 
 
 @dataclass(frozen=True)

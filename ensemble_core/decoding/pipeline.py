@@ -64,6 +64,13 @@ class TokenPipeline:
         """Whether a grammar shapes (or may shape) this member's tokens: an eager one, or lazy calls."""
         return self.grammar is not None or self.calls is not None
 
+    @property
+    def unmasked(self) -> bool:
+        """Whether the next token is chosen from the raw logits: no grammar, or lazy calls in free text
+        (:attr:`~ensemble_core.constraints.lazy.LazyState.free`). A draft may then leave its ids on the
+        device; under lazy calls it follows them after its read and ends behind a token that starts a call."""
+        return self.grammar is None and (self.calls is None or self.calls.free)
+
     # ------------------------------------------------------------------ choosing a token
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Stages 1-3 on ``logits`` (``[V]`` or ``[n, V]`` at the current position): mask, loop penalty,

@@ -31,7 +31,8 @@ class SingleConfig(GenerationConfig):
     tokens are the same; what changes: the text arrives in bursts (the first read after one step, then
     2, 4, ... up to ``steps_per_read``, so the first token is not delayed), and up to
     ``steps_per_read - 1`` steps behind an end of text are computed and dropped. 1 (the default until a
-    lent GPU measures the gain): one read per token. Sampling, a grammar or tools read per token always.
+    lent GPU measures the gain): one read per token. Sampling and a grammar read per token; with tools
+    (``tool_choice="auto"``) the free text is read in bursts, a call per token.
     """
 
     steps_per_read: int = 1
@@ -68,17 +69,18 @@ class SingleModel(EnsembleMethod[SingleConfig]):
         steps = min(request.steps, left)
         request.steps = min(2 * request.steps, request.config.steps_per_read)
         request.rounds += 1
-        if steps > 1 and unread_drafting(state, view.pipeline):
-            # the greedy steps queued with their ids left on the device, read once (drafting._draft_unread);
-            # the last token is fed by the next round, as the one-token round feeds its token
+        if steps > 1 and unread_drafting(state, view.pipeline, follow_calls=True):
+            # the greedy steps queued with their ids left on the device, read once (drafting._draft_unread:
+            # the pipeline follows them; a call that starts in the burst is drafted on under its grammar); the
+            # last token is fed by the next round, as the one-token round feeds its token
             tokens, _ = draft_tokens(state, steps, left, view.pipeline)
         else:
             tokens = [view.pipeline.next_token(next_row(state))[0]]
+            if tokens[0] not in member.eos_token_ids:
+                view.pipeline.accept(tokens[0])
         # the state holds every token but the last (the end of the text, or the next round's first to feed)
         if tokens[-1] in member.eos_token_ids:
             return Chunk(request.decoder.push(tokens[:-1]), done=True, finish_reason="eos")
-        for token in tokens:
-            view.pipeline.accept(token)
         state.extend(tokens[-1:])
         delta = request.decoder.push(tokens)  # a token ending inside a character adds nothing yet
         if len(state.response_ids) >= request.config.max_new_tokens:
