@@ -295,7 +295,7 @@ def draft_segment(state: Any, length: int, pipeline: TokenPipeline, stops: Seque
     own = delegate(state, "draft_segment")
     if own is not None:
         return own(length, pipeline.config, pipeline.generator, stops, tail, pipeline.grammar, lookup)
-    if unread_drafting(state, pipeline, 0.0, lookup):
+    if unread_drafting(state, pipeline, 0.0, lookup, follow_calls=True):
         return _segment_unread(state, length, pipeline, stops, tail)
     return _segment_read(state, length, pipeline, stops, tail, lookup)
 
@@ -311,15 +311,18 @@ def _segment_unread(state: Any, length: int, pipeline: TokenPipeline, stops: Seq
     """:func:`draft_segment` with the ids left on the device: a chunk of tokens is drafted, each pass fed
     the previous pass's argmax unread (:func:`~ensemble_core.decoding.verify_inline.branch_feed_unread`),
     then the chunk's ids and scores are read at once and the loop's decisions (:meth:`_Segment.take`)
-    taken on them in order; what was drafted behind the end is dropped with the branch. The same ids,
-    end, text and scores as the token-by-token loop (#38: that loop read every token before feeding
-    it, a wait for the device per token)."""
+    taken on them in order; what was drafted behind the end is dropped with the branch. Under lazy calls,
+    a token that starts a call ends the unread part: the branch is cut back behind it and the segment
+    goes on under the call's grammar, token by token. The same ids, end, text and scores as the
+    token-by-token loop (#38: that loop read every token before feeding it, a wait for the device per
+    token)."""
     row = state.score()[-1]
     segment = _Segment(state.member, state.ids, length, stops, tail)
     table: list[list[float]] = []
     with cache_branch(state):
         while True:
             n = max(1, min(SEGMENT_CHUNK, length - len(segment.ids)))  # past the length: a token for a cut character
+            marks = branch_marks(state)  # the branch before this chunk's unread passes
             tokens, scores = [], []
             for i in range(n):
                 tokens.append(torch.argmax(pipeline.process(row)))  # greedy choose_token, not read
@@ -327,15 +330,27 @@ def _segment_unread(state: Any, length: int, pipeline: TokenPipeline, stops: Seq
                 if i + 1 < n:
                     row = branch_feed_unread(state, tokens[-1])
             chunk, values = read_together([torch.stack(tokens), torch.stack(scores)])  # the chunk's one read
-            done = False
             for j, token in enumerate(chunk):
                 table.append(values[4 * j: 4 * j + 4])
                 if segment.take(token, pipeline):
-                    done = True
-                    break
-            if done:
-                return segment.result(table)
+                    return segment.result(table)
+                if not pipeline.unmasked:  # a call started: the tokens chosen behind it ignored its grammar
+                    rewind(marks, j)  # the branch holds the chunk up to this token, which is fed next
+                    return _segment_on(state, segment, pipeline, branch_feed(state, [token])[-1], table)
             row = branch_feed(state, chunk[-1:])[-1]  # the chunk's last token, read: fed to draft on
+
+
+def _segment_on(state: Any, segment: _Segment, pipeline: TokenPipeline, row: torch.Tensor,
+                table: list[list[float]]) -> tuple[list[int], str | None, str, DraftScores | None]:
+    """The rest of a segment token by token from ``row`` (inside its branch), each token decided on the host
+    (a call's grammar), its scores read with the others at the end; ``table``: the scores read so far."""
+    kept: list[torch.Tensor] = []
+    while True:
+        token, _ = pipeline.next_token(row, keep_probs=False)
+        kept.append(row_scores(row, token, state.member.eos_token_ids))
+        if segment.take(token, pipeline):
+            return segment.result(table + torch.stack(kept).tolist())
+        row = branch_feed(state, [token])[-1]
 
 
 def _segment_read(state: Any, length: int, pipeline: TokenPipeline, stops: Sequence[str], tail: str,
