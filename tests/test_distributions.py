@@ -384,14 +384,18 @@ def test_warm_up_builds_the_token_tables_the_first_request_would(monkeypatch: py
         return build(tokenizer, size, eos)
 
     monkeypatch.setattr(distributions, "_build_table", counted)
+    monkeypatch.setattr(distributions, "_UNIONS", {})
+    monkeypatch.setattr(distributions, "_BACKINGS", {})
     Ensemble([tiny_llama, tiny_gemma], method="single").warm_up()
     assert built == []  # one member answers: nothing to map
+    Ensemble([tiny_llama, tiny_gemma], method="specem").warm_up()  # selects, never fuses: tables, no union
+    assert sorted(built) == sorted([tiny_llama.vocab_size, tiny_gemma.vocab_size]) and not distributions._UNIONS
     ensemble = Ensemble([tiny_llama, tiny_gemma], method="safe", max_new_tokens=12)
     ensemble.warm_up()
-    assert sorted(built) == sorted([tiny_llama.vocab_size, tiny_gemma.vocab_size])
+    assert len(distributions._UNIONS) == 1 and len(distributions._BACKINGS) == 2  # the fusion's union, on the device
     result = ensemble.generate("Tell me a story about a dragon.")
     assert result.stats["ensembled"] > 0, result.stats  # random members disagree: the tables were used
-    assert len(built) == 2
+    assert len(built) == 2 and len(distributions._UNIONS) == 1 and len(distributions._BACKINGS) == 2
 
 
 def test_concurrent_first_requests_build_a_token_table_once(monkeypatch: pytest.MonkeyPatch) -> None:

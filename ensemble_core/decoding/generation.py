@@ -219,6 +219,9 @@ class EnsembleMethod(ABC, Generic[C]):
     name: ClassVar[str] = "method"
     config_class: ClassVar[type[GenerationConfig]] = GenerationConfig
     min_members: ClassVar[int] = 1
+    #: Whether the method fuses the members' next-token distributions (SAFE, every-token): its warm-up then
+    #: also builds their union vocabulary and backing tables (:func:`~ensemble_core.text.distributions.prepare_fusion`).
+    fuses: ClassVar[bool] = False
 
     def __init__(self, members: Sequence[Member], config: C | None = None, **options: Any) -> None:
         members = list(members)
@@ -255,13 +258,13 @@ class EnsembleMethod(ABC, Generic[C]):
         """Build what the first requests would otherwise build inside their own time.
 
         A method that compares members (``min_members`` > 1) maps every member's vocabulary
-        to text once per process, and the members' vocabularies onto their union
-        (:func:`~ensemble_core.text.distributions.prepare_fusion`: ~1.4 s for the three bundled
-        tokenizers), lazily at the first point where the members disagree; a server's or a
-        benchmark's first requests paid that mid-answer.
+        to text once per process, and one that fuses them (:attr:`fuses`) the members' vocabularies
+        onto their union (:func:`~ensemble_core.text.distributions.prepare_fusion`: ~1.4 s for the
+        three bundled tokenizers), lazily at the first point where the members disagree; a server's
+        or a benchmark's first requests paid that mid-answer.
         """
         if self.min_members > 1:
-            prepare_fusion(self.members)
+            prepare_fusion(self.members, union=self.fuses)
 
     def stats(self, request: Any) -> RequestStats:
         """Method statistics for a finished request (typed; see :mod:`ensemble_core.decoding.stats`)."""

@@ -68,6 +68,7 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
     name = "every-token"
     config_class = EveryTokenConfig
     min_members = 2
+    fuses = True
 
     def __init__(self, members: Any, config: EveryTokenConfig | None = None, **options: Any) -> None:
         super().__init__(members, config, **options)

@@ -250,6 +250,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
     name = "safe"
     config_class = SafeConfig
     min_members = 2
+    fuses = True
 
     def __init__(self, members: Any, config: SafeConfig | None = None, **options: Any) -> None:
         super().__init__(members, config, **options)

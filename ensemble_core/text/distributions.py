@@ -247,15 +247,16 @@ def member_table(member: Any) -> TokenTable:
     return token_table(member.tokenizer, int(member.vocab_size), sorted(member.eos_token_ids))
 
 
-def prepare_fusion(members: Sequence[Any]) -> None:
-    """Build what fusing ``members`` needs, once per process: each member's :class:`TokenTable`, their
-    :class:`UnionVocabulary` and each member's :class:`BackingTable` (~1.4 s for the three bundled
-    tokenizers on two cores; a server's first request paid it mid-answer)."""
+def prepare_fusion(members: Sequence[Any], union: bool = True) -> None:
+    """Build what fusing ``members`` needs, once per process: each member's :class:`TokenTable` (lazy tool
+    grammars use it too) and, with ``union``, their :class:`UnionVocabulary` and each member's
+    :class:`BackingTable` (~1.4 s for the three bundled tokenizers on two cores; a server's first request
+    paid it mid-answer)."""
     tables = [member_table(m) for m in members]
-    if len(tables) > 1:
-        union = union_vocabulary(tables)
+    if union and len(tables) > 1:
+        vocabulary = union_vocabulary(tables)
         for m, table in enumerate(tables):
-            backing_table(union, m, table)
+            backing_table(vocabulary, m, table)
 
 
 # ============================================================================ candidates
