@@ -336,21 +336,8 @@ def _segment_unread(state: Any, length: int, pipeline: TokenPipeline, stops: Seq
                     return segment.result(table)
                 if not pipeline.unmasked:  # a call started: the tokens chosen behind it ignored its grammar
                     rewind(marks, j)  # the branch holds the chunk up to this token, which is fed next
-                    return _segment_on(state, segment, pipeline, branch_feed(state, [token])[-1], table)
+                    return _segment_loop(state, segment, pipeline, branch_feed(state, [token])[-1], table)
             row = branch_feed(state, chunk[-1:])[-1]  # the chunk's last token, read: fed to draft on
-
-
-def _segment_on(state: Any, segment: _Segment, pipeline: TokenPipeline, row: torch.Tensor,
-                table: list[list[float]]) -> tuple[list[int], str | None, str, DraftScores | None]:
-    """The rest of a segment token by token from ``row`` (inside its branch), each token decided on the host
-    (a call's grammar), its scores read with the others at the end; ``table``: the scores read so far."""
-    kept: list[torch.Tensor] = []
-    while True:
-        token, _ = pipeline.next_token(row, keep_probs=False)
-        kept.append(row_scores(row, token, state.member.eos_token_ids))
-        if segment.take(token, pipeline):
-            return segment.result(table + torch.stack(kept).tolist())
-        row = branch_feed(state, [token])[-1]
 
 
 def _segment_read(state: Any, length: int, pipeline: TokenPipeline, stops: Sequence[str], tail: str,
@@ -359,26 +346,33 @@ def _segment_read(state: Any, length: int, pipeline: TokenPipeline, stops: Seque
     token decided on the host)."""
     row = state.score()[-1]
     segment = _Segment(state.member, state.ids, length, stops, tail)
-    ids = segment.ids
+    with cache_branch(state):
+        return _segment_loop(state, segment, pipeline, row, [], lookup)
+
+
+def _segment_loop(state: Any, segment: _Segment, pipeline: TokenPipeline, row: torch.Tensor,
+                  table: list[list[float]], lookup: int = 0) -> tuple[list[int], str | None, str, DraftScores | None]:
+    """Draft ``segment`` on token by token from ``row``, inside its branch, each token decided on the host;
+    ``table``: the scores of the tokens drafted before (an unread chunk cut where a call started). Each
+    row's scores are kept on the device and read with the others at the end."""
+    ids, length = segment.ids, segment.length
     kept: list[torch.Tensor] = []  # per row: its token's and ending's scores (row_scores)
     ahead: list[tuple[int, torch.Tensor]] = []  # fed guesses and the rows after them
     marks: list[Mark] = []  # the branch before the last pass with guesses
     fed = 0  # that pass's guesses
-    with cache_branch(state):
-        while True:
-            token, _ = pipeline.next_token(row, keep_probs=False)
-            kept.append(row_scores(row, token, state.member.eos_token_ids))
-            if segment.take(token, pipeline):
-                break
-            if ahead and ahead[0][0] == token:  # the guess came true: its row is already computed
-                row = ahead.pop(0)[1]
-                continue
-            if ahead:  # a guess missed: cut it and the guesses after it off the branch
-                rewind(marks, 1 + fed - len(ahead))  # the token and the guesses that came true
-                ahead = []
-            guesses = propose([*state.ids, *ids], min(lookup, length - len(ids) - 1)) if lookup else []
-            if guesses:
-                marks, fed = branch_marks(state), len(guesses)
-            rows = branch_feed(state, [token, *guesses])
-            row, ahead = rows[0], list(zip(guesses, rows[1:]))
-    return segment.result(torch.stack(kept).tolist() if kept else [])
+    while True:
+        token, _ = pipeline.next_token(row, keep_probs=False)
+        kept.append(row_scores(row, token, state.member.eos_token_ids))
+        if segment.take(token, pipeline):
+            return segment.result(table + torch.stack(kept).tolist())
+        if ahead and ahead[0][0] == token:  # the guess came true: its row is already computed
+            row = ahead.pop(0)[1]
+            continue
+        if ahead:  # a guess missed: cut it and the guesses after it off the branch
+            rewind(marks, 1 + fed - len(ahead))  # the token and the guesses that came true
+            ahead = []
+        guesses = propose([*state.ids, *ids], min(lookup, length - len(ids) - 1)) if lookup else []
+        if guesses:
+            marks, fed = branch_marks(state), len(guesses)
+        rows = branch_feed(state, [token, *guesses])
+        row, ahead = rows[0], list(zip(guesses, rows[1:]))

@@ -78,7 +78,7 @@ class TensorRows:
         unread = isinstance(targets, torch.Tensor)
         k = min(len(targets), n)
         host = [] if unread else [int(t) for t in targets[:k]]
-        at = targets.reshape(-1)[:k].to(rows.device) if isinstance(targets, torch.Tensor) else to_device(host, rows.device)
+        at = targets.reshape(-1)[:k].to(rows.device) if unread else to_device(host, rows.device)  # type: ignore[union-attr]
         parts = [rows[torch.arange(k, device=rows.device), at], rows[:, to_device(eos, rows.device)].sum(dim=-1)]
         if argmax:
             parts.append(rows.argmax(dim=-1))

@@ -829,10 +829,11 @@ class GaC(Distribution):
             index = torch.cat(picks)  # the drafter's top-k, then the fused top: one may repeat the other
             rows = torch.cat([per_member[:, index], fused[index][None]])
             drafter_top, fused_top, values = read_together([*picks, rows])  # one read: the ids and their entries (#38)
-            at = list(enumerate(drafter_top + fused_top))
-            first = {u: i for i, u in reversed(at)}
-            chosen = list(dict.fromkeys(drafter_top + fused_top))
-            rows = torch.tensor(values, dtype=rows.dtype).view(len(probs) + 1, len(at))[:, [first[u] for u in chosen]]
+            first: dict[int, int] = {}  # each candidate's first column, the drafter's first
+            for i, u in enumerate(drafter_top + fused_top):
+                first.setdefault(u, i)
+            chosen = list(first)
+            rows = torch.tensor(values, dtype=rows.dtype).view(len(probs) + 1, -1)[:, list(first.values())]
             top = torch.zeros(len(chosen), dtype=torch.bool)
             top[: len(drafter_top)] = True
             return Candidates(tuple(union.key(i) for i in chosen), rows[:-1], rows[-1], top, weights)
