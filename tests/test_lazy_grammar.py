@@ -41,7 +41,7 @@ from test_llamaindex_agent import ScriptedLM
 
 from ensemble_core import Ensemble, Member
 from ensemble_core.bench.host_reads import HostReads
-from ensemble_core.constraints.grammar import JsonConstraint
+from ensemble_core.constraints.grammar import JsonConstraint, compile_for_member, tool_call_constraint
 from ensemble_core.constraints.lazy import (
     ANSWER_REQUEST,
     LazyCalls,
@@ -397,6 +397,60 @@ def test_a_segment_in_which_a_call_starts_is_cut_back_and_drafted_on_under_its_g
     assert (unread.text, calls_of(unread)) == (read.text, calls_of(read)) and len(unread.tool_calls) == 1
     # the loop reads each token it chooses as a scalar; the chunks read the free text's tokens together
     assert unread.text.startswith("Let me multiply") and unread_tokens < read_tokens - 10, (unread_tokens, read_tokens)
+
+
+WEATHER = {"name": "weather_forecast", "description": "The forecast for a city.", "parameters": {
+    "type": "object", "properties": {"city_name": {"type": "string"}, "temperature_unit": {"enum": ["C", "F"]},
+                                     "forecast_days": {"type": "integer"}},
+    "required": ["city_name", "temperature_unit", "forecast_days"]}}
+FORECAST = ('{"name": "weather_forecast", "arguments": {"city_name": "Lima", "temperature_unit": "C", '
+            '"forecast_days": 3}}')
+
+
+@pytest.mark.parametrize("method", ["single", "safe", "every-token", "specem", "generate-then-select"])
+def test_tokens_the_grammar_forces_ride_along_with_the_pass_before_them(method: str, monkeypatch) -> None:
+    """#38: where the grammar forces the next bytes (a property name, the only tool's name), every decoding
+    path feeds the member's forced tokens with the pass before them and keeps those it chooses anyway:
+    the same replies and calls, lazy (``auto``) and forced alike, in fewer passes than one token per pass
+    (``TokenPipeline.forced`` switched off)."""
+    members = [scripted_member(QWEN, "<tool_call>\n" + FORECAST + "\n</tool_call>", "ff-qwen")]
+    if method != "single":
+        members.append(scripted_member(SMOL, FORECAST, "ff-smol"))
+    tools = [{"type": "function", "function": WEATHER}]
+
+    def run() -> tuple[list[Any], int]:
+        options = {"parallel": False} if method in ("specem", "generate-then-select") else {}
+        ensemble = Ensemble(members, method=method, batching=False, published=True, **options)
+        results = [ensemble.generate("Weather in Lima?", tools=tools, max_new_tokens=64, tool_choice=choice)
+                   for choice in ("auto", "required")]
+        return [(r.text, calls_of(r)) for r in results], sum(m.forward_passes for r in results for m in r.stats.members)
+
+    replies, passes = run()
+    monkeypatch.setattr(TokenPipeline, "forced", lambda self, limit: [])
+    one_by_one, passes_one_by_one = run()
+    assert replies == one_by_one
+    assert [calls[0][0] for _, calls in replies] == ["weather_forecast"] * 2, replies
+    assert passes < passes_one_by_one, (passes, passes_one_by_one)
+
+
+def test_a_grammar_forces_the_names_it_leaves_no_choice_about() -> None:
+    """``ConstraintState.forced``: the only tool's name and each property name, in the member's own tokens;
+    nothing where the member chooses (a value), after the end, or in free text before a call."""
+    smol = member(SMOL)
+    state = compile_for_member(tool_call_constraint([{"type": "function", "function": WEATHER}], "required"),
+                               smol).start()
+    text = lambda ids: smol.tokenizer.decode(ids)  # noqa: E731
+    assert state.accept_text('{"') and text(state.forced(8)) == "name"
+    assert state.accept_text('name": "') and text(state.forced(8)).startswith("weather")
+    assert state.forced(0) == [] and len(state.forced(1)) == 1
+    assert state.accept_text('weather_forecast", "arguments": {"') and text(state.forced(8)).startswith("city")
+    assert state.accept_text('city_name": "') and state.forced(8) == []  # the value is the member's
+    assert state.accept_text('Lima", "temperature_unit": "C", "forecast_days": 3}}') and state.can_end
+    assert state.accept_token(min(smol.eos_token_ids)) and state.forced(8) == []
+    lazy = lazy_calls(structured_request(TOOLS, "auto"), []).start(smol)
+    assert lazy.forced(8) == []  # free text: the member decides whether a call starts
+    lazy.commit('Sure. <tool_call>\n{"')
+    assert text(lazy.forced(8)) == "name"
 
 
 @pytest.mark.parametrize("method", ["single", "safe", "every-token", "specem"])

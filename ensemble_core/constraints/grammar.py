@@ -722,6 +722,24 @@ class ConstraintState:
         penalty = self.penalty()
         return masked if penalty is None else masked - to_device(penalty, masked.device).to(masked.dtype)
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` of this member's tokens that spell the bytes the grammar forces next (llguidance's
+        fast-forward tokens: a property name, the rest of the only tool's name), [] where nothing is forced.
+
+        Why (#38): each of those tokens cost a forward pass of its own, and a read, although nothing is
+        chosen there. A decoding loop feeds them as *guesses* with the pass of the token before them and
+        keeps those it chooses anyway (:func:`~ensemble_core.decoding.drafting.guesses`), so the tokens stay
+        the ones a token-by-token loop chooses (the member may spell forced bytes its own way) in fewer
+        passes. Special and EOS ids are never forced (the engine's tokens are the member's ids).
+        """
+        if limit < 1 or self._ended:
+            return []
+        c = self.compiled
+        ids = [int(t) for t in self._m.compute_ff_tokens()[:limit]]
+        self._raise_if_error()
+        n = next((i for i, t in enumerate(ids) if not 0 <= t < c._n_shared or t in c.eos_token_ids), len(ids))
+        return ids[:n]
+
     def accepts_text(self, text: str, *, end: bool = False) -> bool:
         """Would ``text`` be accepted here (and, with ``end=True``, complete the value)? The state is unchanged.
 

@@ -380,6 +380,11 @@ class LazyState:
         return (self.active is None and not self.ended and not self.calls.forbid and not self.owes
                 and self.call_end is None)
 
+    def forced(self, limit: int) -> list[int]:
+        """Inside a call, the tokens its grammar forces next (:meth:`~.grammar.ConstraintState.forced`); [] in
+        free text (nothing is forced there: the member decides whether and where a call starts)."""
+        return self.active.forced(limit) if self.active is not None else []
+
     # ------------------------------------------------------------------ choosing a token
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Free logits unchanged; under an active call the grammar's mask, loop penalty and closing

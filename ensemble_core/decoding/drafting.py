@@ -71,7 +71,7 @@ def draft_tokens(state: Any, limit: int, budget: int, pipeline: TokenPipeline, c
     context = state.ids[max(0, base - DECODE_CONTEXT):base]
     ids: list[int] = []
     probs: list[torch.Tensor] = []
-    guesses = propose(state.ids, min(lookup, limit - 1, budget - 1))
+    guesses = next_guesses(pipeline, min(limit - 1, budget - 1), lookup, state.ids)
     rows = state.score(guesses)
     row, ahead = rows[0], list(zip(guesses, rows[1:]))  # ahead: fed guesses and the rows after them
     while True:
@@ -93,12 +93,30 @@ def draft_tokens(state: Any, limit: int, budget: int, pipeline: TokenPipeline, c
         if ahead:  # a guess missed: drop it and the guesses fed after it
             state.crop(base + len(ids) - 1)
             ahead = []
-        guesses = propose([*state.ids, token], min(lookup, limit - len(ids) - 1, budget - len(ids) - 1)) if lookup else []
+        guesses = next_guesses(pipeline, min(limit - len(ids) - 1, budget - len(ids) - 1), lookup, state.ids, [token])
         rows = state.score([token, *guesses])  # the last drafted token is fed next round (or cropped)
         row, ahead = rows[1], list(zip(guesses, rows[2:]))
     if len(state.ids) > base + len(ids) - 1:  # fed guesses past the draft's end (and its last token)
         state.crop(base + len(ids) - 1)
     return ids, TensorRows(probs).read_ahead(ids, member.eos_id_tensor, argmax=False)  # one read per draft
+
+
+def next_guesses(pipeline: TokenPipeline, cap: int, lookup: int, history: Sequence[int],
+                 tail: Sequence[int] = ()) -> list[int]:
+    """The guesses a drafting pass feeds after its token (at most ``cap``): the tokens the grammar forces
+    next (:meth:`TokenPipeline.forced`), else up to ``lookup`` prompt-lookup guesses from ``history`` then
+    ``tail`` (:func:`~ensemble_core.decoding.lookup.propose`).
+
+    Forced tokens need no ``lookup``: under a grammar the member nearly always chooses them (it may spell
+    forced bytes its own way, and then the guess is cut like a missed lookup guess), so each one kept is a
+    pass saved, on any device and in a batch alike (#38: a forced call's property names cost a pass and a
+    read each)."""
+    if cap < 1:
+        return []
+    forced = pipeline.forced(cap) if pipeline.constrained else []
+    if forced or not lookup:
+        return forced
+    return propose([*history, *tail], min(lookup, cap))
 
 
 def unread_drafting(state: Any, pipeline: TokenPipeline, confidence: float = 0.0, lookup: int = 0,
@@ -371,7 +389,7 @@ def _segment_loop(state: Any, segment: _Segment, pipeline: TokenPipeline, row: t
         if ahead:  # a guess missed: cut it and the guesses after it off the branch
             rewind(marks, 1 + fed - len(ahead))  # the token and the guesses that came true
             ahead = []
-        guesses = propose([*state.ids, *ids], min(lookup, length - len(ids) - 1)) if lookup else []
+        guesses = next_guesses(pipeline, length - len(ids) - 1, lookup, state.ids, ids)
         if guesses:
             marks, fed = branch_marks(state), len(guesses)
         rows = branch_feed(state, [token, *guesses])

@@ -100,6 +100,14 @@ class TokenPipeline:
             return self.choose(probs), probs
         return choose_token(row, self.config, self.generator), None
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces next (a property name, the only tool's name): guesses a
+        decoding loop feeds with its next pass and keeps where it chooses them anyway
+        (:func:`~ensemble_core.decoding.drafting.guesses`); [] without a grammar and in free text."""
+        if self.grammar is not None:
+            return self.grammar.forced(limit)
+        return self.calls.forced(limit) if self.calls is not None else []
+
     # ------------------------------------------------------------------ following the text
     def accept(self, token: int) -> None:
         """Advance the grammar by one of this member's tokens (a drafted or chosen one); lazy calls

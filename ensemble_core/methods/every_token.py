@@ -23,6 +23,7 @@ from ensemble_core.text.distributions import (
     Distribution,
     EndOfText,
     make_distribution,
+    member_table,
     sharpen,
 )
 
@@ -51,6 +52,25 @@ class _EveryTokenRequest:
     votes: Votes | None = None  # the members' weights and wins, for the stats
     text: str = ""
     ensembled: int = 0
+    forced: int = 0  # the first member's tokens committed as forced text, without a fusion
+
+
+def forced_text(view: MemberView, left: int) -> tuple[str, int]:
+    """The text of the tokens the grammar forces next in the first member's vocabulary (a property name, the
+    only tool's name; :meth:`~ensemble_core.decoding.pipeline.TokenPipeline.forced`), "" where nothing is
+    forced or the tokens end inside a character.
+
+    Why (#38): every member's grammar follows the same text, so where it forces bytes a fusion step could
+    only choose where the string ends, at the cost of every member's pass and a read. The first member's
+    forced tokens are where its own tokens end (the fused string is drafted from its distribution:
+    ``drafter=0``), and the members feed them with the next step's pass. Returns the text and how many
+    tokens spell it.
+    """
+    keys, tokens = member_table(view.member).keys, view.pipeline.forced(left)
+    try:
+        return b"".join(keys[t] or b"" for t in tokens).decode("utf-8"), len(tokens)
+    except UnicodeDecodeError:
+        return "", 0
 
 
 class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
@@ -88,8 +108,15 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         encoded = [view.continuation(view.own_text(request.text), config.margin) for view in request.views]
         if len(encoded[0][1]) >= config.max_new_tokens:
             return Chunk("", done=True, finish_reason="length")
-        probs = []
         left = config.max_new_tokens - len(encoded[0][1])
+        forced, count = ("", 0) if at_start else forced_text(request.views[0], left)
+        if forced:  # what the grammar forces is not voted on: it is fed with the next step's passes
+            for view in request.views:
+                view.pipeline.commit(forced)
+            request.text += forced
+            request.forced += count
+            return Chunk(forced)
+        probs = []
         for view, (keep, tokens) in zip(request.views, encoded):
             state = view.state
             state.crop(state.prompt_len + keep)  # also when nothing changed: trims sliding layers as before
@@ -117,14 +144,14 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
 
     def stats(self, request: _EveryTokenRequest) -> TokenLevelStats:
         tokens = self.members[0].count_tokens(request.text) if request.text else 0
-        # Every committed token comes out of a fusion step, so E/T is 1 by construction. The
+        # Every committed token but forced text comes out of a fusion step (E/T is 1 without a grammar). The
         # number of fusion steps (``rounds``) differs from ``tokens``: one fused string can span
         # several tokens of the first member, and a string of special tokens adds no text.
         return TokenLevelStats(
             method=self.name, tokens=tokens, rounds=request.ensembled,
             members=self._members_stats(request), reliability=request.votes.source if request.votes else None,
             distribution=request.config.distribution, sub_tokens=request.fusion.sub_tokens,
-            ensembled=tokens,
+            ensembled=max(0, tokens - request.forced),
         )
 
     @staticmethod

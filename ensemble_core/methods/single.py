@@ -6,9 +6,11 @@ The reference every ensemble is compared with; its greedy tokens equal ``model.g
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ensemble_core.decoding.drafting import draft_tokens, unread_drafting
 from ensemble_core.decoding.generation import Chunk, EnsembleMethod, GenerationConfig
+from ensemble_core.decoding.pipeline import TokenPipeline
 from ensemble_core.decoding.rows import next_row
 from ensemble_core.decoding.stats import MemberStats, RequestStats
 from ensemble_core.decoding.view import MemberView, start_views
@@ -40,6 +42,28 @@ class SingleConfig(GenerationConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("steps_per_read", self.steps_per_read, 1, MAX_STEPS_PER_READ)
+
+
+def forced_round(state: Any, pipeline: TokenPipeline, left: int) -> list[int]:
+    """A round under a grammar: the next token, and in the same pass the tokens the grammar forces after it
+    (:meth:`TokenPipeline.forced`: a property name, the only tool's name) as guesses, each kept while the
+    member chooses it anyway (and then the token after them, from the pass's last row). The same tokens
+    as one token per round (each is chosen from its own row), in fewer passes (#38). The last token is
+    left unfed, as a one-token round leaves it; at most ``left`` tokens."""
+    forced = pipeline.forced(left - 1)
+    base = len(state.ids)
+    tokens: list[int] = []
+    for j, row in enumerate(state.score(forced)):  # the pending token, then the forced ones: one pass
+        token = pipeline.next_token(row)[0]
+        tokens.append(token)
+        if token in state.member.eos_token_ids:
+            break
+        pipeline.accept(token)
+        if j == len(forced) or token != forced[j]:
+            break
+    if len(state.ids) > base + len(tokens) - 1:  # forced tokens fed past the one that was not chosen
+        state.crop(base + len(tokens) - 1)
+    return tokens
 
 
 @dataclass
@@ -74,6 +98,8 @@ class SingleModel(EnsembleMethod[SingleConfig]):
             # the pipeline follows them; a call that starts in the burst is drafted on under its grammar); the
             # last token is fed by the next round, as the one-token round feeds its token
             tokens, _ = draft_tokens(state, steps, left, view.pipeline)
+        elif not view.pipeline.unmasked:
+            tokens = forced_round(state, view.pipeline, left)
         else:
             tokens = [view.pipeline.next_token(next_row(state))[0]]
             if tokens[0] not in member.eos_token_ids:
