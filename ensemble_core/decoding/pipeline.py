@@ -26,6 +26,11 @@ carries the grammar's *position*, which follows the committed text: :meth:`accep
 it by a drafted token, :meth:`commit` by any committed text (a verifier's, an ensemble
 point's, another member's segment), :meth:`checkpoint` / :meth:`restore` undo a draft that
 was not kept, and :meth:`set_budget` tells the closing pressure how much budget is left.
+Where the grammar forces the next bytes (a property name, the only tool's name), :meth:`forced`
+names the member's tokens for them, and every decoding loop feeds them with the pass before them
+as guesses it keeps where it chooses them anyway (:func:`~ensemble_core.decoding.drafting.next_guesses`;
+llguidance's fast-forward tokens, used as vLLM and SGLang use jump-forward decoding, but kept only
+where chosen, so the tokens are the ones a token-by-token loop chooses).
 At an ensemble point, where the choice is among fused *texts* rather than one member's
 tokens, :meth:`allowed_candidates` and :meth:`reweighted` apply the same grammar and
 penalties by text. A method never touches the grammar itself: a new method, or a new kind
