@@ -47,6 +47,10 @@ import torch
 from ensemble_core.decoding.generation import GenerationConfig, choose_token
 from ensemble_core.text.distributions import Candidates, EndOfText, grammar_allows
 
+#: The most forced tokens fed with one pass: with the token before them a pass of at most 16 new tokens,
+#: which a captured bucket holds (``static.BUCKETS``); a longer forced run (a long ``const``) takes more passes.
+MAX_FORCED = 15
+
 
 @dataclass
 class TokenPipeline:
@@ -106,9 +110,10 @@ class TokenPipeline:
         return choose_token(row, self.config, self.generator), None
 
     def forced(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces next (a property name, the only tool's name): guesses a
-        decoding loop feeds with its next pass and keeps where it chooses them anyway
-        (:func:`~ensemble_core.decoding.drafting.guesses`); [] without a grammar and in free text."""
+        """Up to ``limit`` (at most :data:`MAX_FORCED`) tokens the grammar forces next (a property name, the only
+        tool's name): guesses a decoding loop feeds with its next pass and keeps where it chooses them anyway
+        (:func:`~ensemble_core.decoding.drafting.next_guesses`); [] without a grammar and in free text."""
+        limit = min(limit, MAX_FORCED)
         if self.grammar is not None:
             return self.grammar.forced(limit)
         return self.calls.forced(limit) if self.calls is not None else []
