@@ -55,17 +55,24 @@ def test_static_passes_give_eager_logits_and_greedy_tokens(alias: str) -> None:
     assert static.static.pool is not None and len(static.static.pool.buckets) >= 4  # steps, feeds, candidates
 
 
-@pytest.mark.parametrize("method", ["single", "safe", "safe published", "every-token", "specem", "generate-then-select"])
+SCHEMA = {"type": "object", "properties": {"city_name": {"type": "string", "maxLength": 6},
+                                           "forecast_days": {"type": "integer"}}, "required": ["city_name", "forecast_days"]}
+
+
+@pytest.mark.parametrize("method", ["single", "safe", "safe published", "every-token", "specem", "generate-then-select",
+                                    "single schema", "safe schema"])
 def test_every_method_writes_eager_texts_with_static_members(method: str) -> None:
     llama = tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
     gemma = tiny_member("gemma3-270m", seed=0, initializer_range=0.2, layers=6, sliding_window=8)
+    method, published, schema = method.split()[0], method.endswith("published"), method.endswith("schema")
     eager = [llama] if method == "single" else [llama, gemma]
     static = [static_twin(m) for m in eager]
     prompts = ["What is 2 + 2?", "Name three colours.", "A longer prompt: " + "the fox jumps; " * 4]
     # "safe published": the published drafting keeps each draft's ids on the device (drafting.draft_tokens),
     # so the static passes copy them into their inputs there
-    method, published = method.split()[0], method.endswith("published")
     options = {"max_new_tokens": 12, **({"published": True} if published else {})}
+    if schema:  # a grammar: the tokens it forces ride along with a pass (#38)
+        options = {"max_new_tokens": 24, "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}
     expected = Ensemble(eager, method=method, batching=False, **options).batch(prompts)
     got = Ensemble(static, method=method, **options).batch(prompts)  # batched requests: static rows run per row
     assert [r.text for r in got] == [r.text for r in expected]
