@@ -133,6 +133,7 @@ def run_method(members: list[Member], method: str, tokens: int, **config) -> dic
             "time_to_first_chunk": result.time_to_first_chunk, "finish_reason": result.finish_reason,
             "syncs_per_token": syncs["syncs"] / counted_tokens if torch.cuda.is_available() else None,
             "reads_per_token": round(reads.per_token(counted_tokens), 3),
+            "same_text_twice": counted.text == result.text,  # a seeded sampled request is reproducible on the device
             "stats": result.stats.as_dict(), "text_head": result.text[:80]}
 
 
@@ -241,6 +242,13 @@ def main() -> int:
         "every_token_unite": run_method(pair, "every-token", args.tokens // 2)})
     step("specem", lambda: {"specem_two_1b": run_method([members["llama-1b"], members["gemma-1b"]], "specem",
                                                        args.tokens)})
+
+    step("sampling", lambda: {  # #38: a sampled draft draws on the device and keeps its ids there, read once
+        "single_sampled": run_method([members["llama-1b"]], "single", args.tokens, do_sample=True, seed=3),
+        "single_sampled_steps16": run_method([members["llama-1b"]], "single", args.tokens, do_sample=True, seed=3,
+                                             steps_per_read=16),
+        "safe_published_sampled": run_method(pair, "safe", args.tokens, drafter=0, published=True, do_sample=True,
+                                             seed=3)})
 
     def placement() -> dict:
         other = build("gemma-1b", args.tokenizers, "cpu", torch.float32, dry=True)  # tiny, on the CPU

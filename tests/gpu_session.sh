@@ -10,8 +10,9 @@
 # 1. papers: static and graphed passes against eager in lockstep on every shape (do graphs give static's
 #    logits?), then member speeds (eager loop, core single eager / static / graphs, the floor), then SAFE
 #    with every draft accepted and every-token, eager and graphed (docs/gpu.md, "At the papers' sizes").
-# 2. check: 16 concurrent requests to 1B-class members, eager and over the graphed pool (the check's other
-#    steps were measured on 2026-12-04: ../shared/gpu/seen-2026-12-04).
+# 2. check: sampled requests (syncs and reads per token now that the draw is made on the device; the same
+#    text twice under a seed), 16 concurrent requests to 1B-class members, eager and over the graphed pool
+#    (the check's other steps were measured on 2026-12-04: ../shared/gpu/seen-2026-12-04).
 # Per-step limits: PAPERS_S, CHECK_S (seconds).
 set -u
 OUT=${OUT:?set OUT}
@@ -25,6 +26,6 @@ timeout "${PAPERS_S:-330}" "$PY" tests/gpu_papers.py --tokenizers "$TOK" --out "
   > "$OUT/papers.log" 2>&1
 echo "papers: rc=$?"
 timeout "${CHECK_S:-200}" "$PY" tests/gpu_check.py --tokenizers "$TOK" --out "$OUT/check" --tokens 64 --reps 3 \
-  --passes graphs --only transfers batching batching_graphs $DRY > "$OUT/check.log" 2>&1
+  --passes graphs --only transfers sampling batching batching_graphs $DRY > "$OUT/check.log" 2>&1
 echo "check: rc=$?"
 tail -c 3000 "$OUT/papers.log"

@@ -83,11 +83,16 @@ def test_single_reads_bursts_of_steps_with_the_same_tokens(tiny_pair: list[Membe
     assert batched[0].text == each.text
 
 
-def test_steps_per_read_leaves_sampling_and_grammars_one_token_per_read(tiny_pair: list[Member]) -> None:
+def test_steps_per_read_samples_in_bursts_and_leaves_grammars_one_token_per_read(tiny_pair: list[Member]) -> None:
     member = tiny_pair[0]
-    sampled = [Ensemble([member], method="single", max_new_tokens=12, do_sample=True, seed=3, batching=False, steps_per_read=n)
-               .generate(PROMPTS[1]) for n in (1, 16)]
-    assert sampled[0].text == sampled[1].text and sampled[1].stats["rounds"] == 12  # a token per round
+    sampled, reads = [], []
+    for n in (1, 16):
+        with HostReads() as counted:
+            sampled.append(Ensemble([member], method="single", max_new_tokens=12, do_sample=True, seed=3, batching=False,
+                                    steps_per_read=n).generate(PROMPTS[1]))
+        reads.append(counted.total)
+    assert sampled[0].text == sampled[1].text and sampled[0].stats["rounds"] == 12  # the same draws, in bursts
+    assert sampled[1].stats["rounds"] < 6 and reads[1] < reads[0] // 2, (sampled[1].stats["rounds"], reads)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     shaped = Ensemble([member], method="single", max_new_tokens=24, batching=False, steps_per_read=16,
                          response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})

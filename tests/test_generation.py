@@ -6,9 +6,12 @@ import threading
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from ensemble_core import Ensemble, GenerationConfig, InvalidOptionError, Member
+from ensemble_core.bench.host_reads import HostReads
 from ensemble_core.decoding.generation import Chunk, EnsembleMethod, _holdback
+from ensemble_core.decoding.sampling import device_generator, sample_ids
 from ensemble_core.errors import ConfigurationError, NoMembersError
 
 
@@ -110,6 +113,37 @@ def test_single_model_stream_equals_generate_and_counts(tiny_gemma: Member) -> N
     assert result.finish_reason in ("length", "eos", "stop")
     assert result.prompt_tokens > 0 and result.stats["tokens"] <= 12
     assert ens.batch(["Tell me a story", "Hi"])[0].text == result.text
+
+
+def _sampled_before(probs: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """How a token was sampled before #38 (``torch.multinomial`` on the host): the reference of the draws."""
+    p = torch.pow(probs.clamp_min(1e-30), 1.0 / temperature) if temperature != 1.0 else probs
+    p = p / p.sum()
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(p, descending=True)
+        sorted_p[torch.cumsum(sorted_p, 0) - sorted_p > top_p] = 0.0
+        p = torch.zeros_like(p).scatter_(0, order, sorted_p)
+        p = p / p.sum()
+    return int(torch.multinomial(p, 1, generator=generator))
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (1.5, 0.5)])
+def test_a_draw_on_the_device_is_the_draw_torch_multinomial_makes(temperature: float, top_p: float) -> None:
+    """``sample_ids`` reads nothing (a draft keeps sampled ids on the device, #38) and draws what
+    ``torch.multinomial`` draws from the same generator, leaving it in the same state: on a CPU a seeded
+    request writes what it wrote before."""
+    config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p)
+    rows = torch.softmax(torch.randn(200, 3000, generator=torch.Generator().manual_seed(0)) * 4, dim=-1)
+    for i, probs in enumerate(rows):
+        before, now = torch.Generator().manual_seed(i), torch.Generator().manual_seed(i)
+        expected = _sampled_before(probs, temperature, top_p, before)
+        with HostReads() as reads:
+            picked = sample_ids(probs, config, now)
+        assert reads.total == 0 and picked.dim() == 0
+        assert int(picked) == expected and torch.equal(now.get_state(), before.get_state())
+    assert device_generator(now, torch.device("cpu")) is now  # the request's generator draws where it lives
+    greedy = GenerationConfig()
+    assert int(sample_ids(rows[0], greedy, None)) == int(torch.argmax(rows[0]))
 
 
 def test_sampling_is_reproducible_under_a_seed(tiny_llama: Member) -> None:

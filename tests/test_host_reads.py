@@ -21,6 +21,7 @@ from ensemble_core.decoding.generation import GenerationConfig
 from ensemble_core.decoding.members import DecodeState
 from ensemble_core.decoding.pipeline import TokenPipeline
 from ensemble_core.decoding.rows import TensorRows
+from ensemble_core.decoding.sampling import make_generator
 from ensemble_core.testing import random_ids, tiny_member
 from ensemble_core.text.distributions import prefix_merge
 from ensemble_core.transfer import read_together
@@ -130,13 +131,23 @@ def test_read_ahead_answers_as_the_rows_do() -> None:
     assert ahead.prob(0, 5) == float(probs[0, 5])  # anything else is still answered from the rows
 
 
-def _drafts(member: Member, unread: bool, rounds: int = 4, limit: int = 5) -> tuple[list[list[int]], list[list[float]],
-                                                                                  DecodeState, int]:
-    """``rounds`` greedy drafts of ``limit`` tokens, each committed but for its last token as SAFE does: with the
-    ids left on the device (``unread``), or read one by one (a draft confidence too small to end any draft
-    keeps the token-by-token loop). Returns the ids, the drafted tokens' probabilities, the state and the reads."""
+#: A sampled request's options: temperature and nucleus transform the distribution before the draw.
+SAMPLED = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "seed": 11}
+
+
+def _pipeline(sampled: bool) -> TokenPipeline:
+    config = GenerationConfig(max_new_tokens=64, **(SAMPLED if sampled else {}))
+    return TokenPipeline(config, make_generator(config))
+
+
+def _drafts(member: Member, unread: bool, rounds: int = 4, limit: int = 5, sampled: bool = False,
+            ) -> tuple[list[list[int]], list[list[float]], DecodeState, int, torch.Tensor | None]:
+    """``rounds`` drafts of ``limit`` tokens (greedy, or ``sampled``), each committed but for its last token as
+    SAFE does: with the ids left on the device (``unread``), or read one by one (a draft confidence too small
+    to end any draft keeps the token-by-token loop). Returns the ids, the drafted tokens' probabilities, the
+    state, the reads and where the sampling generator ended (None: greedy)."""
     state = member.start_from_ids(random_ids(12, 5))
-    pipeline = TokenPipeline(GenerationConfig(max_new_tokens=64))
+    pipeline = _pipeline(sampled)
     drafts, probs = [], []
     with HostReads() as reads:
         for _ in range(rounds):
@@ -145,29 +156,35 @@ def _drafts(member: Member, unread: bool, rounds: int = 4, limit: int = 5) -> tu
             probs.append([rows.prob(j, t) for j, t in enumerate(ids)])
             if ids[-1] not in member.eos_token_ids:
                 state.extend(ids[-1:])  # the next round feeds the last drafted token
-    return drafts, probs, state, reads.total
+    return drafts, probs, state, reads.total, pipeline.generator and pipeline.generator.get_state()
 
 
-def test_a_greedy_draft_keeps_its_ids_on_the_device_and_reads_them_once() -> None:
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_draft_keeps_its_ids_on_the_device_and_reads_them_once(sampled: bool) -> None:
+    """Greedy, and sampled (#38: the draw is made on the device, as ``torch.multinomial`` makes it): the same
+    tokens from the same draws, the generator where the token-by-token loop leaves it."""
     member = tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
-    expected, expected_probs, one_by_one, reads_before = _drafts(member, unread=False)
-    got, got_probs, unread, reads = _drafts(member, unread=True)
+    expected, expected_probs, one_by_one, reads_before, gen_before = _drafts(member, unread=False, sampled=sampled)
+    got, got_probs, unread, reads, gen = _drafts(member, unread=True, sampled=sampled)
     assert got == expected and got_probs == expected_probs  # the same tokens, the same values, bit for bit
     assert unread.ids == one_by_one.ids and unread.cached == one_by_one.cached
     assert torch.equal(unread.score([7])[-1], one_by_one.score([7])[-1])  # the caches hold the same states
     assert reads == 4 and reads_before >= 20, (reads, reads_before)  # one read per draft, not one per token
+    assert (gen is None) == (not sampled) and (gen is None or torch.equal(gen, gen_before))
 
 
-def test_an_unread_draft_that_ends_at_eos_is_cut_there() -> None:
+@pytest.mark.parametrize("sampled", [False, True])
+def test_an_unread_draft_that_ends_at_eos_is_cut_there(sampled: bool) -> None:
     member = tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
-    (expected,), _, _, _ = _drafts(member, unread=False, rounds=1, limit=6)
+    (expected,), _, _, _, _ = _drafts(member, unread=False, rounds=1, limit=6, sampled=sampled)
     member.eos_token_ids = frozenset({expected[2]})  # this fresh member's third drafted token ends the text
     member.__dict__.pop("eos_id_tensor", None)
-    (cut,), (cut_probs,), state, reads = _drafts(member, unread=False, rounds=1, limit=6)
-    (got,), (got_probs,), unread, _ = _drafts(member, unread=True, rounds=1, limit=6)
+    (cut,), (cut_probs,), state, reads, gen_before = _drafts(member, unread=False, rounds=1, limit=6, sampled=sampled)
+    (got,), (got_probs,), unread, _, gen = _drafts(member, unread=True, rounds=1, limit=6, sampled=sampled)
     assert cut == expected[:3] and got == cut and got_probs == cut_probs
     assert unread.ids == state.ids and len(unread.ids) == 12 + 2  # the passes fed behind the end are cropped
     assert torch.equal(unread.score()[-1], state.score()[-1])
+    assert gen is None or torch.equal(gen, gen_before)  # the draws of the ids behind the end are undone
 
 
 def _chunks(length: int, rows: int) -> int:
@@ -179,33 +196,57 @@ def _chunks(length: int, rows: int) -> int:
     return count
 
 
-def _segments(member: Member, unread: bool, length: int, stops: tuple[str, ...] = ()) -> tuple[tuple, DecodeState, int]:
-    """One greedy segment from a fresh state: with its ids on the device, or the token-by-token loop."""
+def _segments(member: Member, unread: bool, length: int, stops: tuple[str, ...] = (), sampled: bool = False,
+              ) -> tuple[tuple, DecodeState, int, torch.Tensor | None]:
+    """One segment (greedy, or ``sampled``) from a fresh state: with its ids on the device, or the token-by-token
+    loop; and where the sampling generator ended (None: greedy)."""
     state = member.start_from_ids(random_ids(12, 6))
-    pipeline = TokenPipeline(GenerationConfig(max_new_tokens=64))
+    pipeline = _pipeline(sampled)
     draft = drafting._segment_unread if unread else partial(drafting._segment_read, lookup=0)
     with HostReads() as reads:
         got = draft(state, length, pipeline, stops, "")
-    return got, state, reads.total
+    return got, state, reads.total, pipeline.generator and pipeline.generator.get_state()
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("case", ["segment", "answer", "stop", "eos"])
-def test_a_greedy_segment_keeps_its_ids_on_the_device_and_reads_them_per_chunk(case: str) -> None:
+def test_a_segment_keeps_its_ids_on_the_device_and_reads_them_per_chunk(case: str, sampled: bool) -> None:
     member = tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
     length = 40 if case == "answer" else 10  # an answer spans three chunks of 16
     stops: tuple[str, ...] = ()
     if case in ("stop", "eos"):
-        (ids, _, text, _), _, _ = _segments(member, unread=False, length=length)
+        (ids, _, text, _), _, _, _ = _segments(member, unread=False, length=length, sampled=sampled)
         if case == "stop":
             stops = (text[len(text) // 2:][:3],)  # a stop string the segment meets half way
         else:
             member.eos_token_ids = frozenset({ids[4]})  # this fresh member's fifth token ends the text
             member.__dict__.pop("eos_id_tensor", None)
-    expected, before, reads_before = _segments(member, unread=False, length=length, stops=stops)
-    got, after, reads = _segments(member, unread=True, length=length, stops=stops)
+    expected, before, reads_before, gen_before = _segments(member, unread=False, length=length, stops=stops,
+                                                           sampled=sampled)
+    got, after, reads, gen = _segments(member, unread=True, length=length, stops=stops, sampled=sampled)
     assert got == expected  # ids, end, text and the drafter's own scores, bit for bit
+    assert gen is None or torch.equal(gen, gen_before)  # the draws behind the end are undone
     assert after.ids == before.ids and after.cached == before.cached  # the branch is rewound
     assert torch.equal(after.score([9])[-1], before.score([9])[-1])
     assert expected[1] == {"stop": "stop", "eos": "eos"}.get(case) and expected[0]  # the case is what it says
     assert reads == _chunks(length, len(expected[3].end["logprob"]))  # one read per chunk drafted
     assert reads_before >= len(expected[0]), (reads_before, expected[0])  # the loop read every token
+
+
+@pytest.mark.parametrize("method", ["safe", "specem", "generate-then-select"])
+def test_a_sampled_request_drafts_unread_and_writes_what_the_reading_loop_writes(method: str) -> None:
+    """#38: sampled drafts and segments keep their ids on the device too (the draw is made there): the same
+    seeded text as the loop that reads every token (prompt lookup's, which drafts the same tokens), in fewer
+    reads."""
+    pair = [tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2),
+            tiny_member("gemma3-270m", seed=0, initializer_range=0.2)]
+    options = {"published": True} if method == "safe" else {"parallel": False}
+    texts, reads = [], []
+    for lookup in (0, 2):  # 0: unread drafting; 2: the reading loop (with guesses)
+        ensemble = Ensemble(pair, method=method, max_new_tokens=30, batching=False, prompt_lookup=lookup,
+                            do_sample=True, temperature=0.8, seed=5, **options)
+        with HostReads() as counted:
+            texts.append(ensemble.generate("Hello").text)
+        reads.append(counted.total)
+    assert texts[0] == texts[1] and texts[0], texts
+    assert reads[0] < reads[1] * 0.8, reads  # (SAFE: 162 against 253; the rest are its rounds)

@@ -11,8 +11,9 @@ member's cache (:mod:`ensemble_core.remote.actor`), which is why they live below
   own candidate).
 
 Both feed prompt-lookup guesses (:mod:`~ensemble_core.decoding.lookup`) with each pass when
-asked, keep the guesses they would choose anyway and cut the rest. A greedy draft with nothing to
-decide per token keeps its ids on the device and reads them once per draft or chunk
+asked, keep the guesses they would choose anyway and cut the rest. A draft with nothing to decide per
+token (greedy or sampled: :mod:`~ensemble_core.decoding.sampling` draws on the device) keeps its ids
+on the device and reads them once per draft or chunk
 (:func:`_draft_unread`, :func:`_segment_unread`). A state whose model runs
 elsewhere runs the same loop there (:func:`~ensemble_core.decoding.rows.delegate`).
 """
@@ -121,22 +122,24 @@ def next_guesses(pipeline: TokenPipeline, cap: int, lookup: int, history: Sequen
 
 def unread_drafting(state: Any, pipeline: TokenPipeline, confidence: float = 0.0, lookup: int = 0,
                     follow_calls: bool = False) -> bool:
-    """Whether the draft can keep its ids on the device until its end: a greedy, unconstrained draft with no
-    decision taken per token (no draft confidence, no prompt-lookup guesses) on a local state.
+    """Whether the draft can keep its ids on the device until its end: an unconstrained draft, greedy or
+    sampled, with no decision taken per token (no draft confidence, no prompt-lookup guesses) on a local
+    state.
     ``follow_calls``: the draft can stop behind a token that starts a call (:func:`_draft_unread`), so lazy
     calls in free text (``tool_choice="auto"``, an agent's turn) need not read per token either."""
     free = pipeline.unmasked if follow_calls else not pipeline.constrained
-    return hasattr(state, "score_unread") and free and not pipeline.config.do_sample and not confidence and not lookup
+    return hasattr(state, "score_unread") and free and not confidence and not lookup
 
 
 def _draft_unread(state: Any, limit: int, budget: int, pipeline: TokenPipeline) -> tuple[list[int], TensorRows]:
-    """:func:`draft_tokens` with the ids left on the device: each pass is fed the previous pass's argmax
-    without the host reading it, and the draft's ids, probabilities and EOS masses are read once, at
+    """:func:`draft_tokens` with the ids left on the device: each pass is fed the previous pass's choice
+    (its argmax, or its sample) without the host reading it, and the draft's ids, probabilities and EOS masses are read once, at
     its end (:meth:`TensorRows.read_ahead`).
 
     Why (#38): the loop that read each drafted token before feeding it made the host wait for the
     device once per token, so it could never queue the next pass ahead (SAFE's drafter choices were
-    1.3 of its 3.0 reads per output token). The same ids as that loop: the same rows and argmax. What
+    1.3 of its 3.0 reads per output token). The same ids as that loop: the same rows and choices (a
+    sample is the same draw, and the draws of ids dropped behind the draft's end are undone). What
     it cannot see until the read it repairs after: a draft that ended at EOS is cut there (the
     passes fed behind it are cropped away); under lazy calls the pipeline follows the ids after the
     read, and a draft in which a call started is cut behind the token that started it and drafts on
@@ -150,9 +153,11 @@ def _draft_unread(state: Any, limit: int, budget: int, pipeline: TokenPipeline) 
     row = state.score()[-1]
     tokens: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
+    draws = []  # where the sampling generator stood before each pick (None: greedy)
     for i in range(n):
         p = pipeline.distribution(row)
-        tokens.append(torch.argmax(p))  # the choice greedy choose_token makes, not read
+        draws.append(pipeline.draws(p.device))
+        tokens.append(pipeline.pick(p))  # the choice the reading loop makes (greedy or the same draw), not read
         probs.append(p)
         if i + 1 < n:  # the last drafted token is fed next round (or cropped)
             row = state.score_unread(tokens[-1])
@@ -164,6 +169,7 @@ def _draft_unread(state: Any, limit: int, budget: int, pipeline: TokenPipeline) 
     if end is not None and end < n - 1:  # the end of the text, or a call started: what was fed behind it goes
         state.crop(base + end)
         ids, rows, probs = ids[:end + 1], rows.head(end + 1), probs[:end + 1]
+        pipeline.undraw(draws[end + 1])  # and so do the draws of the ids behind it
     if ids[-1] in member.eos_token_ids:
         return ids, rows
     more = False  # token by token from here, as the loop that reads each token drafts: the rest of a draft
@@ -318,7 +324,7 @@ def draft_segment(state: Any, length: int, pipeline: TokenPipeline, stops: Seque
     return _segment_read(state, length, pipeline, stops, tail, lookup)
 
 
-#: Tokens a greedy segment drafts on the device between two reads: a SpecEM segment (10 tokens by default)
+#: Tokens a segment drafts on the device between two reads: a SpecEM segment (10 tokens by default)
 #: is read once; a whole answer (generate-then-select) in chunks, so that one that ends early has fed at
 #: most this many tokens less one past its end (on a branch, rewound: only their passes are spent).
 SEGMENT_CHUNK = 16
@@ -327,7 +333,7 @@ SEGMENT_CHUNK = 16
 def _segment_unread(state: Any, length: int, pipeline: TokenPipeline, stops: Sequence[str],
                     tail: str) -> tuple[list[int], str | None, str, DraftScores | None]:
     """:func:`draft_segment` with the ids left on the device: a chunk of tokens is drafted, each pass fed
-    the previous pass's argmax unread (:func:`~ensemble_core.decoding.verify_inline.branch_feed_unread`),
+    the previous pass's choice unread (:func:`~ensemble_core.decoding.verify_inline.branch_feed_unread`),
     then the chunk's ids and scores are read at once and the loop's decisions (:meth:`_Segment.take`)
     taken on them in order; what was drafted behind the end is dropped with the branch. Under lazy calls,
     a token that starts a call ends the unread part: the branch is cut back behind it and the segment
@@ -341,16 +347,20 @@ def _segment_unread(state: Any, length: int, pipeline: TokenPipeline, stops: Seq
         while True:
             n = max(1, min(SEGMENT_CHUNK, length - len(segment.ids)))  # past the length: a token for a cut character
             marks = branch_marks(state)  # the branch before this chunk's unread passes
-            tokens, scores = [], []
+            tokens, scores, draws = [], [], []
             for i in range(n):
-                tokens.append(torch.argmax(pipeline.process(row)))  # greedy choose_token, not read
+                draws.append(pipeline.draws(row.device))
+                tokens.append(pipeline.pick_next(row))  # the reading loop's choice (greedy or the same draw), not read
                 scores.append(row_scores(row, tokens[-1], state.member.eos_token_ids))
                 if i + 1 < n:
                     row = branch_feed_unread(state, tokens[-1])
             chunk, values = read_together([torch.stack(tokens), torch.stack(scores)])  # the chunk's one read
             for j, token in enumerate(chunk):
                 table.append(values[4 * j: 4 * j + 4])
-                if segment.take(token, pipeline):
+                ends = segment.take(token, pipeline)
+                if (ends or not pipeline.unmasked) and j + 1 < n:
+                    pipeline.undraw(draws[j + 1])  # the ids picked behind it are dropped, and so are their draws
+                if ends:
                     return segment.result(table)
                 if not pipeline.unmasked:  # a call started: the tokens chosen behind it ignored its grammar
                     rewind(marks, j)  # the branch holds the chunk up to this token, which is fed next
@@ -360,8 +370,8 @@ def _segment_unread(state: Any, length: int, pipeline: TokenPipeline, stops: Seq
 
 def _segment_read(state: Any, length: int, pipeline: TokenPipeline, stops: Sequence[str], tail: str,
                   lookup: int) -> tuple[list[int], str | None, str, DraftScores | None]:
-    """:func:`draft_segment`'s token-by-token loop: under a grammar, sampling or prompt lookup (each
-    token decided on the host)."""
+    """:func:`draft_segment`'s token-by-token loop: under a grammar or prompt lookup (each token decided
+    on the host)."""
     row = state.score()[-1]
     segment = _Segment(state.member, state.ids, length, stops, tail)
     with cache_branch(state):

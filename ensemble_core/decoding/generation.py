@@ -19,8 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
-import torch
-
 from ensemble_core.constraints.closing import check_margin
 from ensemble_core.constraints.repetition import LoopPenalty
 from ensemble_core.constraints.structured import (
@@ -175,34 +173,6 @@ class GenerationResult:
     def parsed(self) -> Any:
         """The reply as a JSON value, for a request with a response format (None if it did not parse)."""
         return self.structured.parsed if self.structured else None
-
-
-def make_generator(config: GenerationConfig, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A seeded generator for sampling, or None for greedy decoding."""
-    if not config.do_sample:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(config.seed if config.seed is not None else int(torch.seed() % 2**63))
-    return gen
-
-
-def choose_token(probs: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> int:
-    """Greedy argmax, or a temperature / nucleus sample from a probability vector."""
-    if not config.do_sample:
-        return int(torch.argmax(probs))
-    p = probs.float()
-    if config.temperature != 1.0:
-        p = torch.pow(p.clamp_min(1e-30), 1.0 / config.temperature)
-    p = p / p.sum()
-    if config.top_p < 1.0:
-        sorted_p, order = torch.sort(p, descending=True)
-        cum = torch.cumsum(sorted_p, 0)
-        cut = cum - sorted_p > config.top_p
-        sorted_p[cut] = 0.0
-        p = torch.zeros_like(p).scatter_(0, order, sorted_p)
-        p = p / p.sum()
-    cpu_gen = generator if generator is None or generator.device.type == "cpu" else None
-    return int(torch.multinomial(p.cpu(), 1, generator=cpu_gen))
 
 
 C = TypeVar("C", bound=GenerationConfig)

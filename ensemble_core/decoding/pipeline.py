@@ -13,7 +13,7 @@ fusion inputs) and every place that commits text goes through the member's
 3. **closing pressure**: near the end of the token budget, tokens that close the value gain
    logits (:mod:`~ensemble_core.constraints.closing`);
 4. **choice**: greedy, or a temperature / nucleus sample from the request's seeded generator
-   (:func:`~ensemble_core.decoding.generation.choose_token`).
+   (:mod:`~ensemble_core.decoding.sampling`).
 
 Steps 1-3 act only under a grammar; free text goes straight to the choice. With
 ``tool_choice="auto"`` the grammar is *lazy* (:mod:`~ensemble_core.constraints.lazy`,
@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from ensemble_core.decoding.generation import GenerationConfig, choose_token
+from ensemble_core.decoding.generation import GenerationConfig
+from ensemble_core.decoding.sampling import choose_token, device_generator, sample_ids
 from ensemble_core.text.distributions import Candidates, EndOfText, grammar_allows
 
 #: The most forced tokens fed with one pass: with the token before them a pass of at most 16 new tokens,
@@ -95,6 +96,32 @@ class TokenPipeline:
     def choose(self, probs: torch.Tensor) -> int:
         """Stage 4: greedy argmax, or a sample under the request's temperature / top-p and generator."""
         return choose_token(probs, self.config, self.generator)
+
+    def pick(self, probs: torch.Tensor) -> torch.Tensor:
+        """Stage 4 without reading: the id :meth:`choose` would choose from ``probs`` (the same draw), as a
+        0-d tensor on their device, for a draft that reads its ids once at its end (#38)."""
+        return sample_ids(probs, self.config, self.generator)
+
+    def draws(self, device: torch.device) -> Any:
+        """Where the generator that draws on ``device`` stands (None: greedy), to :meth:`undraw` to later.
+
+        Why: a draft that picks its ids unread draws for every id it queues, also for those behind its
+        end (an EOS, a stop string, where a call started) that the reading loop never chooses; undrawing
+        them leaves the generator where that loop leaves it, so the text that follows is the same too."""
+        generator = device_generator(self.generator, device) if self.config.do_sample else None
+        return None if generator is None else (generator, generator.get_state())
+
+    @staticmethod
+    def undraw(mark: Any) -> None:
+        """Put a generator back where :meth:`draws` found it."""
+        if mark is not None:
+            mark[0].set_state(mark[1])
+
+    def pick_next(self, logits: torch.Tensor) -> torch.Tensor:
+        """Stages 1-4 without reading: the id ``next_token(logits, keep_probs=False)`` chooses, on the device."""
+        row = self.process(logits)
+        return sample_ids(torch.softmax(row.float(), dim=-1) if self.config.do_sample else row, self.config,
+                          self.generator)
 
     def next_token(self, logits: torch.Tensor, keep_probs: bool = True) -> tuple[int, torch.Tensor | None]:
         """The token chosen from ``logits`` (stages 1-4) and the distribution it was chosen from.

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from ensemble_core.constraints.closing import resolve_margin
 from ensemble_core.constraints.grammar import compile_for_member, request_constraint
 from ensemble_core.constraints.lazy import lazy_calls
-from ensemble_core.decoding.generation import GenerationConfig, make_generator
+from ensemble_core.decoding.generation import GenerationConfig
 from ensemble_core.decoding.members import DecodeState, Member
 from ensemble_core.decoding.pipeline import TokenPipeline
+from ensemble_core.decoding.sampling import make_generator
 from ensemble_core.text.alignment import DEFAULT_MARGIN, EMPTY, Tokenized, encode_continuation
 from ensemble_core.text.chat import Prompt, normalize_messages
 

@@ -26,14 +26,14 @@ MAX_STEPS_PER_READ = 64
 class SingleConfig(GenerationConfig):
     """Single-model options.
 
-    ``steps_per_read``: greedy, unconstrained decoding queues up to this many steps on the device before
-    it reads their tokens (vLLM's multi-step scheduling; #38). Why: each read waits for every kernel
+    ``steps_per_read``: unconstrained decoding (greedy or sampled) queues up to this many steps on the
+    device before it reads their tokens (vLLM's multi-step scheduling; #38). Why: each read waits for every kernel
     queued before it, so a loop that reads each token before it queues the next step leaves a GPU idle
     while the host does its per-token work, which a graph-captured step makes the larger share. The
     tokens are the same; what changes: the text arrives in bursts (the first read after one step, then
     2, 4, ... up to ``steps_per_read``, so the first token is not delayed), and up to
     ``steps_per_read - 1`` steps behind an end of text are computed and dropped. 1 (the default until a
-    lent GPU measures the gain): one read per token. Sampling and a grammar read per token; with tools
+    lent GPU measures the gain): one read per token. A grammar reads per token; with tools
     (``tool_choice="auto"``) the free text is read in bursts, a call per token.
     """
 
@@ -94,7 +94,7 @@ class SingleModel(EnsembleMethod[SingleConfig]):
         request.steps = min(2 * request.steps, request.config.steps_per_read)
         request.rounds += 1
         if steps > 1 and unread_drafting(state, view.pipeline, follow_calls=True):
-            # the greedy steps queued with their ids left on the device, read once (drafting._draft_unread:
+            # the steps queued with their ids left on the device, read once (drafting._draft_unread:
             # the pipeline follows them; a call that starts in the burst is drafted on under its grammar); the
             # last token is fed by the next round, as the one-token round feeds its token
             tokens, _ = draft_tokens(state, steps, left, view.pipeline)
