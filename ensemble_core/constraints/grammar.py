@@ -728,7 +728,7 @@ class ConstraintState:
 
         Why (#38): each of those tokens cost a forward pass of its own, and a read, although nothing is
         chosen there. A decoding loop feeds them as *guesses* with the pass of the token before them and
-        keeps those it chooses anyway (:func:`~ensemble_core.decoding.drafting.guesses`), so the tokens stay
+        keeps those it chooses anyway (:func:`~ensemble_core.decoding.drafting.next_guesses`), so the tokens stay
         the ones a token-by-token loop chooses (the member may spell forced bytes its own way) in fewer
         passes. Special and EOS ids are never forced (the engine's tokens are the member's ids).
         """

@@ -133,8 +133,8 @@ def unread_drafting(state: Any, pipeline: TokenPipeline, confidence: float = 0.0
 
 def _draft_unread(state: Any, limit: int, budget: int, pipeline: TokenPipeline) -> tuple[list[int], TensorRows]:
     """:func:`draft_tokens` with the ids left on the device: each pass is fed the previous pass's choice
-    (its argmax, or its sample) without the host reading it, and the draft's ids, probabilities and EOS masses are read once, at
-    its end (:meth:`TensorRows.read_ahead`).
+    (its argmax, or its sample) without the host reading it, and the draft's ids, probabilities and EOS
+    masses are read once, at its end (:meth:`TensorRows.read_ahead`).
 
     Why (#38): the loop that read each drafted token before feeding it made the host wait for the
     device once per token, so it could never queue the next pass ahead (SAFE's drafter choices were
