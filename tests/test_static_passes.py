@@ -60,11 +60,12 @@ SCHEMA = {"type": "object", "properties": {"city_name": {"type": "string", "maxL
 
 
 @pytest.mark.parametrize("method", ["single", "safe", "safe published", "every-token", "specem", "generate-then-select",
-                                    "single schema", "safe schema"])
+                                    "single schema", "safe schema", "safe published sampled", "specem sampled"])
 def test_every_method_writes_eager_texts_with_static_members(method: str) -> None:
     llama = tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
     gemma = tiny_member("gemma3-270m", seed=0, initializer_range=0.2, layers=6, sliding_window=8)
-    method, published, schema = method.split()[0], method.endswith("published"), method.endswith("schema")
+    words = method.split()
+    method, published, schema, sampled = words[0], "published" in words, "schema" in words, "sampled" in words
     eager = [llama] if method == "single" else [llama, gemma]
     static = [static_twin(m) for m in eager]
     prompts = ["What is 2 + 2?", "Name three colours.", "A longer prompt: " + "the fox jumps; " * 4]
@@ -73,6 +74,8 @@ def test_every_method_writes_eager_texts_with_static_members(method: str) -> Non
     options = {"max_new_tokens": 12, **({"published": True} if published else {})}
     if schema:  # a grammar: the tokens it forces ride along with a pass (#38)
         options = {"max_new_tokens": 24, "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}
+    if sampled:  # drawn on the device, the drafts' ids kept there unread (#38)
+        options.update(do_sample=True, temperature=0.8, seed=4)
     expected = Ensemble(eager, method=method, batching=False, **options).batch(prompts)
     got = Ensemble(static, method=method, **options).batch(prompts)  # batched requests: static rows run per row
     assert [r.text for r in got] == [r.text for r in expected]
