@@ -146,6 +146,19 @@ def test_a_draw_on_the_device_is_the_draw_torch_multinomial_makes(temperature: f
     assert int(sample_ids(rows[0], greedy, None)) == int(torch.argmax(rows[0]))
 
 
+def test_a_request_draws_on_another_device_from_a_generator_seeded_from_its_own() -> None:
+    """The request's generator draws where it lives; on another device (a GPU member: here ``cpu:0``, which
+    torch tells apart from ``cpu``) from a generator made there once per request, seeded from the request's
+    stream: a seeded request stays reproducible there."""
+    there = torch.device("cpu", 0)
+    first, again = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    made = device_generator(first, there)
+    assert made is not first and device_generator(first, there) is made  # one per request and device
+    assert torch.equal(device_generator(again, there).get_state(), made.get_state())  # from the request's seed
+    assert not torch.equal(device_generator(torch.Generator().manual_seed(4), there).get_state(), made.get_state())
+    assert device_generator(None, there) is None  # unseeded: the device's default generator
+
+
 def test_sampling_is_reproducible_under_a_seed(tiny_llama: Member) -> None:
     ens = Ensemble([tiny_llama], method="single", max_new_tokens=10, do_sample=True, seed=7, temperature=1.5)
     a, b = ens.generate("Hello"), ens.generate("Hello")
