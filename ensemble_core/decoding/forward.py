@@ -69,7 +69,7 @@ class Job:
     fallback); ``runner``, when set, runs it instead (a static slot's pass,
     :mod:`~ensemble_core.decoding.static`), with ``direct`` as its own fallback. The result is a
     float ``[len(keep), V]`` tensor. ``device_ids``, when set, are the ids on the model's device,
-    not yet read by the host (a greedy draft's argmax, :func:`~ensemble_core.decoding.drafting.draft_tokens`);
+    not yet read by the host (a draft's argmax or sample, :func:`~ensemble_core.decoding.drafting.draft_tokens`);
     ``ids`` then hold placeholders of the same length, and every pass that builds its inputs on the
     host copies these over them on the device (:func:`place_device_ids`).
     """

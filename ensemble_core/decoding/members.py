@@ -253,8 +253,8 @@ class DecodeState:
 
     @torch.inference_mode()
     def score_unread(self, token: torch.Tensor) -> torch.Tensor:
-        """Append one token the host has not read (a 0-d id tensor on the model's device: a greedy draft's
-        argmax) and return the next-token logits row ``[V]``, without waiting for the token's value.
+        """Append one token the host has not read (a 0-d id tensor on the model's device: a draft's
+        argmax or sample) and return the next-token logits row ``[V]``, without waiting for the token's value.
 
         Why (#38): a draft that read each token before feeding it made the host wait for the device
         once per drafted token. Its id stays :data:`UNREAD` in :attr:`ids` until :meth:`settle`; only the

@@ -179,7 +179,7 @@ def branch_feed(state: DecodeState, ids: Sequence[int]) -> torch.Tensor:
 @torch.inference_mode()
 def branch_feed_unread(state: DecodeState, token: torch.Tensor) -> torch.Tensor:
     """Next-token logits ``[V]`` after one token the host has not read (a 0-d id on the model's device),
-    appended on a branch: a greedy segment drafts on without waiting for its tokens (#38)."""
+    appended on a branch: a segment drafts on without waiting for its tokens (#38)."""
     return _forward(state, [UNREAD], 1, unread=token.reshape(1))[-1]
 
 
