@@ -29,7 +29,7 @@ was not kept, and :meth:`set_budget` tells the closing pressure how much budget 
 Where the grammar forces the next bytes (a property name, the only tool's name), :meth:`forced`
 names the member's tokens for them, and every decoding loop feeds them with the pass before them
 as guesses it keeps where it chooses them anyway (:func:`~ensemble_core.decoding.drafting.next_guesses`;
-llguidance's fast-forward tokens, used as vLLM and SGLang use jump-forward decoding, but kept only
+llguidance's fast-forward tokens, as SGLang's jump-forward decoding uses forced text, but kept only
 where chosen, so the tokens are the ones a token-by-token loop chooses).
 At an ensemble point, where the choice is among fused *texts* rather than one member's
 tokens, :meth:`allowed_candidates` and :meth:`reweighted` apply the same grammar and
