@@ -114,7 +114,7 @@ def next_guesses(pipeline: TokenPipeline, cap: int, lookup: int, history: Sequen
     read each)."""
     if cap < 1:
         return []
-    forced = pipeline.forced(cap) if pipeline.constrained else []
+    forced = pipeline.forced(cap)
     if forced or not lookup:
         return forced
     return propose([*history, *tail], min(lookup, cap))

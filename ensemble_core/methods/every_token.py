@@ -105,10 +105,10 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
     def step(self, request: _EveryTokenRequest) -> Chunk:
         config = request.config
         at_start = not request.text
-        encoded = [view.continuation(view.own_text(request.text), config.margin) for view in request.views]
-        if len(encoded[0][1]) >= config.max_new_tokens:
+        first = request.views[0].continuation(request.views[0].own_text(request.text), config.margin)
+        if len(first[1]) >= config.max_new_tokens:
             return Chunk("", done=True, finish_reason="length")
-        left = config.max_new_tokens - len(encoded[0][1])
+        left = config.max_new_tokens - len(first[1])
         forced, count = ("", 0) if at_start else forced_text(request.views[0], left)
         if forced:  # what the grammar forces is not voted on: it is fed with the next step's passes
             for view in request.views:
@@ -116,6 +116,8 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
             request.text += forced
             request.forced += count
             return Chunk(forced)
+        encoded = [first] + [view.continuation(view.own_text(request.text), config.margin)
+                             for view in request.views[1:]]
         probs = []
         for view, (keep, tokens) in zip(request.views, encoded):
             state = view.state

@@ -11,7 +11,6 @@ from typing import Any
 from ensemble_core.decoding.drafting import draft_tokens, unread_drafting
 from ensemble_core.decoding.generation import Chunk, EnsembleMethod, GenerationConfig
 from ensemble_core.decoding.pipeline import TokenPipeline
-from ensemble_core.decoding.rows import next_row
 from ensemble_core.decoding.stats import MemberStats, RequestStats
 from ensemble_core.decoding.view import MemberView, start_views
 from ensemble_core.options import check_int
@@ -44,12 +43,12 @@ class SingleConfig(GenerationConfig):
         check_int("steps_per_read", self.steps_per_read, 1, MAX_STEPS_PER_READ)
 
 
-def forced_round(state: Any, pipeline: TokenPipeline, left: int) -> list[int]:
-    """A round under a grammar: the next token, and in the same pass the tokens the grammar forces after it
-    (:meth:`TokenPipeline.forced`: a property name, the only tool's name) as guesses, each kept while the
-    member chooses it anyway (and then the token after them, from the pass's last row). The same tokens
-    as one token per round (each is chosen from its own row), in fewer passes (#38). The last token is
-    left unfed, as a one-token round leaves it; at most ``left`` tokens."""
+def round_tokens(state: Any, pipeline: TokenPipeline, left: int) -> list[int]:
+    """A round that reads its tokens as they are chosen: the next token and, under a grammar, in the same
+    pass the tokens the grammar forces after it (:meth:`TokenPipeline.forced`: a property name, the only
+    tool's name) as guesses, each kept while the member chooses it anyway (and then the token after them,
+    from the pass's last row). The same tokens as one token per round (each is chosen from its own row),
+    in fewer passes (#38). The last token is left unfed (the next round feeds it); at most ``left`` tokens."""
     forced = pipeline.forced(left - 1)
     base = len(state.ids)
     tokens: list[int] = []
@@ -96,14 +95,10 @@ class SingleModel(EnsembleMethod[SingleConfig]):
         if steps > 1 and unread_drafting(state, view.pipeline, follow_calls=True):
             # the steps queued with their ids left on the device, read once (drafting._draft_unread:
             # the pipeline follows them; a call that starts in the burst is drafted on under its grammar); the
-            # last token is fed by the next round, as the one-token round feeds its token
+            # last token is fed by the next round, as round_tokens leaves its last one
             tokens, _ = draft_tokens(state, steps, left, view.pipeline)
-        elif not view.pipeline.unmasked:
-            tokens = forced_round(state, view.pipeline, left)
         else:
-            tokens = [view.pipeline.next_token(next_row(state))[0]]
-            if tokens[0] not in member.eos_token_ids:
-                view.pipeline.accept(tokens[0])
+            tokens = round_tokens(state, view.pipeline, left)
         # the state holds every token but the last (the end of the text, or the next round's first to feed)
         if tokens[-1] in member.eos_token_ids:
             return Chunk(request.decoder.push(tokens[:-1]), done=True, finish_reason="eos")
