@@ -54,7 +54,7 @@ from ensemble_core.constraints.lazy import (
 )
 from ensemble_core.constraints.structured import CallDelta, ReplyStream, parse_output, structured_request
 from ensemble_core.decoding.generation import GenerationConfig
-from ensemble_core.decoding.pipeline import TokenPipeline
+from ensemble_core.decoding.pipeline import MAX_FORCED, TokenPipeline
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.testing import tiny_member
 
@@ -451,6 +451,19 @@ def test_a_grammar_forces_the_names_it_leaves_no_choice_about() -> None:
     assert lazy.forced(8) == []  # free text: the member decides whether a call starts
     lazy.commit('Sure. <tool_call>\n{"')
     assert text(lazy.forced(8)) == "name"
+
+
+def test_a_long_forced_run_is_fed_at_most_max_forced_tokens_at_once() -> None:
+    """A ``const`` longer than a captured bucket is forced in runs of at most ``MAX_FORCED`` tokens (with the
+    token before them, a pass of at most 16), not in one pass of its whole length."""
+    smol = member(SMOL)
+    motto = "the quick brown fox jumps over the lazy dog " * 3
+    schema = {"type": "object", "properties": {"motto": {"const": motto}}, "required": ["motto"]}
+    state = compile_for_member(JsonConstraint(schema), smol).start()
+    assert state.accept_text('{"motto": "')
+    assert len(state.forced(100)) > MAX_FORCED  # the grammar forces the whole motto
+    pipeline = TokenPipeline(GenerationConfig(), grammar=state)
+    assert len(pipeline.forced(100)) == MAX_FORCED and len(pipeline.forced(3)) == 3
 
 
 @pytest.mark.parametrize("method", ["single", "safe", "every-token", "specem"])
