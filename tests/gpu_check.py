@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ensemble_core import Ensemble  # noqa: E402
 from ensemble_core.bench import verify_microbench  # noqa: E402
 from ensemble_core.bench.datasets import cot_prompt, load_dataset  # noqa: E402
+from ensemble_core.bench.device_time import device_time  # noqa: E402
 from ensemble_core.bench.host_reads import HostReads, cuda_syncs  # noqa: E402
 from ensemble_core.decoding.members import Member  # noqa: E402
 from ensemble_core.decoding.verify_inline import score_candidates_inline, score_candidates_separately  # noqa: E402
@@ -125,7 +126,7 @@ def run_method(members: list[Member], method: str, tokens: int, **config) -> dic
     sync()
     result = ens.generate(prompt)
     tokens = result.stats.get("tokens", result.completion_tokens)  # random weights may pick text-less special tokens
-    with cuda_syncs() as syncs, HostReads() as reads:  # a second, counted run (the counting slows it: not timed)
+    with cuda_syncs() as syncs, HostReads() as reads, device_time() as busy:  # a second, counted run: not timed
         counted = ens.generate(prompt)
     counted_tokens = max(1, counted.stats.get("tokens", counted.completion_tokens))
     return {"tokens": tokens, "seconds": result.seconds,
@@ -133,6 +134,10 @@ def run_method(members: list[Member], method: str, tokens: int, **config) -> dic
             "time_to_first_chunk": result.time_to_first_chunk, "finish_reason": result.finish_reason,
             "syncs_per_token": syncs["syncs"] / counted_tokens if torch.cuda.is_available() else None,
             "reads_per_token": round(reads.per_token(counted_tokens), 3),
+            # the device's busy time per token (profiled run) over the timed run's ms per token: near 1, the
+            # device sets the pace; far below, the host does (docs/gpu.md, "Busy or waiting")
+            "device_busy_ms_per_token": busy.busy_ms / counted_tokens,
+            "device_busy_share": busy.share(1000 * result.seconds * counted_tokens / max(1, tokens)),
             "same_text_twice": counted.text == result.text,  # a seeded sampled request is reproducible on the device
             "stats": result.stats.as_dict(), "text_head": result.text[:80]}
 
@@ -152,7 +157,21 @@ def batching(members: dict[str, Member], tokens: int, levels: tuple[int, ...] = 
                                               "sequential_mean_latency_s", "identical_outputs")}
                        | {"rows_per_call": {n: m["rows_per_call"] for n, m in lv["batcher"]["per_member"].items()}}
                        for c, lv in result["levels"].items()}
+        top = out[method].get(max(levels)) or out[method].get(str(max(levels)))
+        if top and top.get("tokens_per_s"):  # whether the batch keeps the device busy or waits on the host
+            top["device_busy_share"] = batch_busy_share(ms, method, prompts[:max(levels)], tokens, top["tokens_per_s"])
     return out
+
+
+def batch_busy_share(members: list[Member], method: str, prompts: list, tokens: int, tokens_per_s: float) -> float | None:
+    """The share of a batch's wall time the device computes: its busy time per output token in one profiled
+    batch of ``prompts`` (:mod:`~ensemble_core.bench.device_time`) over the timed batch's (``tokens_per_s``)."""
+    ens = Ensemble(members, method=method, max_new_tokens=tokens)
+    ens.batch(prompts[:2])  # warm-up
+    with device_time() as busy:
+        results = ens.batch(prompts)
+    produced = max(1, sum(r.stats.get("tokens", r.completion_tokens) for r in results))
+    return busy.share(1000 * produced / tokens_per_s)
 
 
 #: A slot long enough for a prompt, the tokens and packed candidates (spans keep short contexts cheap).

@@ -50,6 +50,7 @@ from gpu_check import build as build_shape  # noqa: E402
 
 from ensemble_core import Ensemble  # noqa: E402
 from ensemble_core.bench.datasets import cot_prompt  # noqa: E402
+from ensemble_core.bench.device_time import device_time  # noqa: E402
 from ensemble_core.bench.host_reads import cuda_syncs  # noqa: E402
 from ensemble_core.decoding.members import Member  # noqa: E402
 from ensemble_core.testing import lockstep, random_ids  # noqa: E402
@@ -189,12 +190,17 @@ def method_speed(members: list[Member], method: str, tokens: int, **options: Any
     sync()
     result = ensemble.generate(prompt)
     produced = max(1, result.stats.get("tokens", result.completion_tokens))
-    with cuda_syncs() as syncs:
-        ensemble.generate(prompt, max_new_tokens=min(tokens, 32))
+    with cuda_syncs() as syncs, device_time() as busy:  # counted and profiled: not timed
+        counted = ensemble.generate(prompt, max_new_tokens=min(tokens, 32))
+    counted_tokens = max(1, counted.stats.get("tokens", counted.completion_tokens))
     rounds = result.stats.get("rounds") or produced
-    return {"ms_per_token": 1000 * result.seconds / produced, "tokens": produced, "chars": len(result.text),
+    ms_per_token = 1000 * result.seconds / produced
+    return {"ms_per_token": ms_per_token, "tokens": produced, "chars": len(result.text),
             "ms_per_round": 1000 * result.seconds / rounds,  # every-token: one round per fused piece
             "syncs_per_token": syncs["syncs"] / min(tokens, 32) if torch.cuda.is_available() else None,
+            # near 1: the device sets the pace; far below: the host does (docs/gpu.md, "Busy or waiting")
+            "device_busy_ms_per_token": busy.busy_ms / counted_tokens,
+            "device_busy_share": busy.share(ms_per_token * counted_tokens),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             "stats": {k: result.stats.get(k) for k in ("e_t", "drafted", "accepted", "rounds", "prompt_lookup",
                                                          "draft_confidence")},

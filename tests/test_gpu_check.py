@@ -47,6 +47,8 @@ def test_gpu_check_dry_runs_every_step(tmp_path: Path) -> None:
     assert report["verify_inline"]["max_abs_diff_fp32"]["llama-1b"] < 1e-3
     rows = report["safe_ceiling"]
     assert all(row["reads_per_token"] >= 0 for row in rows.values()), rows  # the code's reads, counted on a CPU too
+    # the device's busy share (on a CPU: the share of the profiled run in torch ops) was measured for every run
+    assert all(0 < row["device_busy_share"] <= 1 for row in rows.values()), rows
 
 
 @pytest.mark.real  # the bundled tokenizers, as above
@@ -80,3 +82,4 @@ def test_gpu_papers_dry_runs_every_step(tmp_path: Path) -> None:
         assert check["vs_static"]["max_diff"] == 0.0 and "CUDA" in check["reasons"]["graphs"], (name, check)
     assert all(report[label]["tokens"] >= 1 and isinstance(report[label]["ms_per_token"], float)
                for label in DRY_METHODS)
+    assert all(0 < report[label + suffix]["device_busy_share"] <= 1 for label in DRY_METHODS for suffix in ("", "_graphs"))

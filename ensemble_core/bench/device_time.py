@@ -1,0 +1,100 @@
+"""How much of a run its device spends computing: the union of the device's busy intervals.
+
+Why (#38): once a member's step is a captured graph, the host launches a pass in microseconds, so a
+run is bound either by the device (its kernels: fewer passes or faster ones help) or by the host (the
+Python of every request's token: the methods, the scheduler, the pipeline; on a GPU the device then
+idles between passes). Which one shows as the share of the wall time the device is busy. On a GPU
+busy means some kernel, copy or fill runs (the union of their intervals, so kernels of several streams
+that overlap count once); on a CPU, where the "device" is the host itself, busy means some top-level
+torch op runs, and the rest is Python.
+
+The profiler slows the host (a few microseconds per op), never the kernels: take the busy time from a
+profiled run and the wall time from an unprofiled run of the same tokens (``tests/gpu_check.py``,
+``tests/gpu_papers.py``: ``device_busy_share``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DeviceTime:
+    """What :func:`device_time` measured: ``busy_ms`` of the device over the block's ``wall_ms``."""
+
+    device: str
+    busy_ms: float = 0.0
+    wall_ms: float = 0.0
+    intervals: int = 0  # kernels (GPU) or top-level ops (CPU) counted
+
+    def share(self, timed_ms: float | None = None) -> float | None:
+        """The share of a run's wall time the device is busy: ``busy_ms`` over ``timed_ms``, the wall time
+        of an unprofiled run of the same tokens (the profiler lengthens the host's work, not the kernels).
+        On a CPU, where the profiler lengthens the ops themselves, and without ``timed_ms``: over this
+        profiled block's own wall time. None without a wall time."""
+        wall = self.wall_ms if timed_ms is None or self.device == "cpu" else timed_ms
+        return self.busy_ms / wall if wall > 0 else None
+
+
+def busy_union(intervals: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals: time during which at least one runs."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def _intervals(events: Iterable[object], device: str) -> list[tuple[float, float]]:
+    """The busy intervals (microseconds) of the profiler's events: the device's own events on a GPU, the
+    host's top-level ops (not their nested calls, not user annotations) on a CPU."""
+    from torch.autograd import DeviceType
+
+    kind = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
+    out = []
+    for event in events:
+        if getattr(event, "device_type", None) != kind or getattr(event, "is_user_annotation", False):
+            continue
+        if kind == DeviceType.CPU and getattr(event, "cpu_parent", None) is not None:
+            continue
+        span = event.time_range  # type: ignore[attr-defined]
+        out.append((float(span.start), float(span.end)))
+    return out
+
+
+def _all_threads() -> object | None:
+    """The profiler's option to record the ops of every thread (a batch's request threads run theirs on
+    their own; by default only the profiling thread's are recorded), where this torch has it."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):  # an older torch: the profiling thread only (GPU kernels are all seen)
+        return None
+
+
+@contextmanager
+def device_time(device: str | None = None) -> Iterator[DeviceTime]:
+    """Profile the block and fill the yielded :class:`DeviceTime` on exit. ``device``: ``"cuda"`` or
+    ``"cpu"`` (default: ``"cuda"`` where CUDA is available)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"device_time measures 'cuda' or 'cpu', not {kind!r}")
+    result = DeviceTime(kind)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == "cuda" else [])
+    with profile(activities=activities, experimental_config=_all_threads()) as prof:
+        start = time.perf_counter()
+        yield result
+        if kind == "cuda":
+            torch.cuda.synchronize()
+        result.wall_ms = 1000 * (time.perf_counter() - start)
+    spans = _intervals(prof.events(), kind)
+    result.busy_ms, result.intervals = busy_union(spans) / 1000, len(spans)
