@@ -15,6 +15,7 @@ import gc
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ensemble_core import Ensemble, InvalidOptionError
 from ensemble_core.bench.host_reads import HostReads
@@ -260,6 +261,78 @@ def test_a_state_that_outgrows_its_slot_leaves_it_and_stays_exact() -> None:
     assert static.static is not None and static.static.counts["fallbacks"] > 0
     assert isinstance(b.cache, StaticCache) and not b.cache.in_slot()
     assert 0 < b.stats.static_passes < b.stats.forward_passes
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the tensor ops dispatched in its block (views and slices included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_around_a_pool_pass(layers: int) -> int:
+    """Tensor ops a batched pool pass of three requests makes outside the pass itself (what a graph replays)."""
+    member = static_twin(tiny_member("qwen2.5-coder-0.5b-instruct", seed=2, layers=layers))
+    states = [member.start_from_ids(random_ids(6 + i, i)) for i in range(3)]
+    for state in states:
+        state.score()
+    runner = member.static
+    assert runner is not None
+    inside: list[int] = []
+    real = runner._forward
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        start = ops.count
+        out = real(*args, **kwargs)
+        inside.append(ops.count - start)
+        return out
+
+    runner._forward = counted  # type: ignore[method-assign]
+    with _Ops() as ops:
+        assert runner.run_batch(feed_jobs(states, [random_ids(1, 9)] * len(states))) is not None
+    assert len(inside) == 1 and [s.cache.get_seq_length() for s in states] == [7, 8, 9]
+    assert all(layer.keys.shape[2] == 7 and layer.keys.data_ptr() == layer._k.data_ptr()
+               for layer in states[0].cache.layers)  # the states' views as eager code reads them
+    return ops.count - inside[0]
+
+
+def test_the_host_work_around_a_static_pass_does_not_grow_with_the_models_depth() -> None:
+    """#38: around the pass, the host checks that each state is in its slot and moves its length, with no
+    tensor op per layer (slicing two views per layer and request cost ~5 us per layer on a CPU: ~2 ms per
+    batched pass of 16 requests to a 28-layer member, about what a graphed 1B pass of 16 rows computes)."""
+    assert _ops_around_a_pool_pass(2) == _ops_around_a_pool_pass(12)
+    member = static_twin(tiny_member("qwen2.5-coder-0.5b-instruct", seed=2, layers=12))
+    state = member.start_from_ids(random_ids(6, 0))
+    state.score()
+    with _Ops() as ops:
+        assert state.cache.in_slot() and state.cache.get_seq_length() == 6
+        state.cache.advance(6)
+    assert ops.count == 0
+
+
+def test_a_slot_layer_holds_its_prefix_as_a_length_and_anything_else_as_a_tensor() -> None:
+    """The layer's ``keys`` / ``values`` read as before (a view of the slot while a prefix of it, else the tensor
+    set), so crops, branches and the eager forward see what they saw."""
+    member = static_twin(tiny_member("smollm2-135m-instruct", seed=1, layers=2))
+    state = member.start_from_ids(random_ids(9, 4))
+    state.score()
+    layer = state.cache.layers[0]
+    assert isinstance(layer, static_module.SlotLayer) and layer.in_slot() and layer.get_seq_length() == 9
+    before = layer.keys.clone()
+    layer.crop(-4)  # transformers' DynamicLayer.crop: a slice of the view, still the slot's prefix
+    assert layer.in_slot() and layer.keys.shape[2] == 5 and torch.equal(layer.keys, before[:, :, :5])
+    own = before[:, :, :5].clone()  # a tensor of its own: held, and the layer has left the slot
+    layer.keys = own
+    assert layer.keys is own and not layer.in_slot() and layer.get_seq_length() == 5
+    layer.keys = layer._k[:, :, :5]  # a prefix again
+    assert layer.in_slot() and torch.equal(layer.keys, before[:, :, :5])
+    layer.reset()
+    assert layer.keys is None and layer.values is None and not layer.in_slot()
 
 
 def test_slots_are_lent_to_one_state_at_a_time_and_returned() -> None:
