@@ -331,6 +331,18 @@ def test_a_slot_layer_holds_its_prefix_as_a_length_and_anything_else_as_a_tensor
     assert layer.keys is own and not layer.in_slot() and layer.get_seq_length() == 5
     layer.keys = layer._k[:, :, :5]  # a prefix again
     assert layer.in_slot() and torch.equal(layer.keys, before[:, :, :5])
+    layer.crop(-100)  # as slicing ``keys[..., :-100, :]`` does: nothing left, still the slot's prefix
+    assert layer.in_slot() and layer.keys.shape[2] == 0 and layer.get_seq_length() == 0
+    with pytest.raises(ValueError, match="positive"):  # transformers' own refusal, unchanged
+        layer.crop(3)
+    other = member.start_from_ids(random_ids(7, 5))
+    other.score()
+    marks = verify_inline.branch_marks(other)
+    with verify_inline.cache_branch(other):  # a branch's passes, then its rewind: by lengths, in the slot
+        verify_inline.branch_feed(other, random_ids(3, 6))
+        assert other.cache.get_seq_length() == 10
+    assert other.cache.get_seq_length() == 7 and other.cache.in_slot()
+    assert [m[1] for m in marks] == [7] * len(other.cache.layers)
     layer.reset()
     assert layer.keys is None and layer.values is None and not layer.in_slot()
 

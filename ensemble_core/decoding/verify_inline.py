@@ -44,7 +44,7 @@ from ensemble_core.decoding.masks import MASK_HONOURING_ATTENTION, layer_types, 
 from ensemble_core.decoding.members import UNREAD, DecodeState, Member
 from ensemble_core.decoding.rows import delegate
 from ensemble_core.decoding.scheduler import run_job
-from ensemble_core.decoding.static import route
+from ensemble_core.decoding.static import SlotLayer, route
 from ensemble_core.errors import InputError, UnsupportedAttentionError, UnsupportedModelError
 from ensemble_core.transfer import HOST, to_device
 
@@ -86,6 +86,10 @@ def branch_marks(state: DecodeState) -> list[Mark]:
     """Where every cache layer of ``state`` stands now: what :func:`rewind` slices back to."""
     marks = []
     for layer in _layers(state.cache):
+        held = layer.held() if isinstance(layer, SlotLayer) else None  # a slot's prefix: its length, no view made
+        if held is not None:
+            marks.append((layer, held, None))
+            continue
         if getattr(layer, "is_sliding", False) and not getattr(layer, "record_past", True):
             raise UnsupportedModelError("A sliding-window cache layer without past recording cannot be branched exactly.")
         keys = getattr(layer, "keys", None)
@@ -101,6 +105,8 @@ def rewind(marks: Sequence[Mark], keep: int = 0) -> None:
     Exact because inside a branch layers only concatenate (see :func:`cache_branch`).
     """
     for layer, length, cumulative in marks:
+        if isinstance(layer, SlotLayer) and layer.keep_first(length + keep):
+            continue
         keys = getattr(layer, "keys", None)
         if getattr(layer, "is_initialized", False) and keys is not None and keys.dim() >= 2:
             layer.keys = layer.keys[..., :length + keep, :]
