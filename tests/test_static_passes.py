@@ -197,6 +197,32 @@ def test_slot_masks_from_the_inputs_equal_the_masks_built_row_by_row(window: int
     assert bool(got.any(-1).all())  # every query sees something: no empty softmax, no NaN into the scratch tail
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_inputs_of_a_pass_take_the_same_tensor_ops_for_one_row_as_for_sixteen(k: int) -> None:
+    """The host builds a pass's inputs in a few tensor ops whatever its rows (#38: ~33 us per row when it was
+    built a row at a time, paid once per step by every request sharing the pass). Rows of one token need no
+    op of their own; a window of several tokens places its visibility with one."""
+    member = tiny_member("qwen2.5-coder-0.5b-instruct", seed=2, layers=1)
+    states = [member.start_from_ids(random_ids(6 + i, i)) for i in range(16)]
+    for state in states:
+        state.score()
+    counts = []
+    for rows in (1, 16):
+        jobs = feed_jobs(states[:rows], [random_ids(1, 9)] * rows)
+        placed = [(row, job, 6 + row) for row, job in enumerate(jobs)]
+        with _Ops() as ops:
+            flat = host_inputs(placed, rows, k, 100)
+        counts.append(ops.count)
+        ids, positions, write, context, block = split_inputs(flat, rows, k)
+        assert ids[:, 0].tolist() == [job.ids[0] for job in jobs] and context.tolist() == [6 + r for r in range(rows)]
+        assert positions.tolist() == [[6 + r + j for j in range(k)] for r in range(rows)]  # continued past the token
+        assert torch.equal(block, torch.eye(k, dtype=torch.long).expand(rows, k, k))  # each query sees itself
+    assert counts[1] <= counts[0] <= 14, counts  # (one row: an index of one element takes an op more)
+    window = feed_jobs(states[:1], [random_ids(3, 9)])[0]  # three tokens: its causal block placed with one op
+    _, _, _, _, block = split_inputs(host_inputs([(0, window, 6)], 1, 4, 100), 1, 4)
+    assert block[0].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+
+
 def test_a_pool_pass_copies_its_inputs_to_the_device_once_whatever_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """The host builds a pass's inputs and hands them over in one copy (plus one for the rows to keep), for one
     row as for four: no per-row device ops before the pass (each is a kernel launch on a GPU)."""
