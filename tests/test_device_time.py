@@ -25,10 +25,10 @@ def test_busy_union_counts_overlapping_intervals_once() -> None:
 
 
 def test_share_uses_the_timed_wall_on_a_gpu_and_its_own_on_a_cpu() -> None:
-    gpu, cpu = DeviceTime("cuda", busy_ms=5.0, wall_ms=20.0), DeviceTime("cpu", busy_ms=5.0, wall_ms=20.0)
+    gpu, cpu = DeviceTime("cuda", 5.0, 20.0, intervals=3), DeviceTime("cpu", 5.0, 20.0, intervals=3)
     assert gpu.share() == 0.25 and gpu.share(10.0) == 0.5  # an unprofiled run's wall: the kernels are not slowed
     assert cpu.share(10.0) == 0.25  # the profiler lengthens a CPU's ops: the profiled run's own wall
-    assert DeviceTime("cuda").share() is None
+    assert DeviceTime("cuda").share() is None and DeviceTime("cuda", 0.0, 5.0, 0).share() is None  # nothing seen
     with pytest.raises(ValueError, match="'cuda' or 'cpu'"), device_time("mps"):
         pass
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,15 +30,15 @@ class DeviceTime:
     device: str
     busy_ms: float = 0.0
     wall_ms: float = 0.0
-    intervals: int = 0  # kernels (GPU) or top-level ops (CPU) counted
+    intervals: int = 0  # the events seen: kernels, copies and fills (GPU), ops (CPU)
 
     def share(self, timed_ms: float | None = None) -> float | None:
         """The share of a run's wall time the device is busy: ``busy_ms`` over ``timed_ms``, the wall time
         of an unprofiled run of the same tokens (the profiler lengthens the host's work, not the kernels).
         On a CPU, where the profiler lengthens the ops themselves, and without ``timed_ms``: over this
-        profiled block's own wall time. None without a wall time."""
+        profiled block's own wall time. None without a wall time or without a busy interval seen."""
         wall = self.wall_ms if timed_ms is None or self.device == "cpu" else timed_ms
-        return self.busy_ms / wall if wall > 0 else None
+        return self.busy_ms / wall if wall > 0 and self.intervals else None  # nothing seen: unknown, not idle
 
 
 def busy_union(intervals: Iterable[tuple[float, float]]) -> float:
@@ -51,21 +52,20 @@ def busy_union(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def _intervals(events: Iterable[object], device: str) -> list[tuple[float, float]]:
-    """The busy intervals (microseconds) of the profiler's events: the device's own events on a GPU, the
-    host's top-level ops (not their nested calls, not user annotations) on a CPU."""
+def _intervals(prof: Any, device: str) -> list[tuple[float, float]]:
+    """The busy intervals (microseconds) of a finished profile: the GPU's own events (kernels, copies,
+    fills), or on a CPU its ops (nested ones lie inside their callers, so the union is the same), never
+    user annotations. Read from the profiler's raw records where this torch has them: building its
+    event tree takes seconds for the 10^5 ops of a CPU run, the raw records milliseconds."""
     from torch.autograd import DeviceType
 
     kind = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
-    out = []
-    for event in events:
-        if getattr(event, "device_type", None) != kind or getattr(event, "is_user_annotation", False):
-            continue
-        if kind == DeviceType.CPU and getattr(event, "cpu_parent", None) is not None:
-            continue
-        span = event.time_range  # type: ignore[attr-defined]
-        out.append((float(span.start), float(span.end)))
-    return out
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is not None:
+        return [(e.start_ns() / 1000, e.end_ns() / 1000) for e in raw.events()
+                if e.device_type() == kind and not e.is_user_annotation()]
+    return [(float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
+            if e.device_type == kind and not e.is_user_annotation]
 
 
 def _all_threads() -> object | None:
@@ -89,12 +89,14 @@ def device_time(device: str | None = None) -> Iterator[DeviceTime]:
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"device_time measures 'cuda' or 'cpu', not {kind!r}")
     result = DeviceTime(kind)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == "cuda" else [])
+    # a GPU's kernels need no record of the host's ops (CUPTI sees them all, whichever thread launched them):
+    # recording every op would slow the host for nothing
+    activities = [ProfilerActivity.CUDA] if kind == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities, experimental_config=_all_threads()) as prof:
         start = time.perf_counter()
         yield result
         if kind == "cuda":
             torch.cuda.synchronize()
         result.wall_ms = 1000 * (time.perf_counter() - start)
-    spans = _intervals(prof.events(), kind)
+    spans = _intervals(prof, kind)
     result.busy_ms, result.intervals = busy_union(spans) / 1000, len(spans)
