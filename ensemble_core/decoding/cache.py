@@ -20,6 +20,16 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
+def prefix_length(tensor: Any, buffer: torch.Tensor | None) -> int | None:
+    """``n`` when ``tensor`` is ``buffer[:, :, :n]`` (the same start and strides), else None."""
+    if buffer is None or not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 or tensor.stride() != buffer.stride() \
+            or tensor.shape[:2] != buffer.shape[:2] or tensor.shape[3] != buffer.shape[3] or tensor.shape[2] > buffer.shape[2]:
+        return None
+    if tensor.shape[2] == 0:  # an empty view has no data pointer to compare: any empty one of its kind is the prefix
+        return 0 if (tensor.dtype, tensor.device) == (buffer.dtype, buffer.device) else None
+    return tensor.shape[2] if tensor.data_ptr() == buffer.data_ptr() else None
+
+
 class InPlaceAppend:
     """Appending into spare room kept behind a cache layer's states (mixed into DynamicLayer kinds).
 
@@ -29,11 +39,38 @@ class InPlaceAppend:
     full, or when ``keys`` was replaced from outside (a slice from the front): the states
     are then copied into new buffers. Positions past the current length are scratch: a
     tensor taken from ``keys`` before a crop must not be read after the next update.
+
+    While they are prefixes of the buffers the layer holds their lengths, not the views: a view is
+    made when ``keys`` / ``values`` are read (the model's forward, a crop's slice), and the batched
+    passes move the lengths (:meth:`expose`, :meth:`keep_first`). Why (#38): the host's work per pass
+    must not grow with the model's depth; slicing two views per layer and request, and comparing them
+    with their buffers, cost ~5 us per layer on a CPU (a 28-layer member: ~140 us per request and pass,
+    paid by every request of a batch).
     """
 
-    keys: Any
-    values: Any
     is_initialized: bool
+    _kn: int | None = None  # keys = _k[:, :, :_kn] while not None
+    _vn: int | None = None
+    _held_k: torch.Tensor | None = None  # keys otherwise (not a prefix of the buffer, or no buffer)
+    _held_v: torch.Tensor | None = None
+
+    @property
+    def keys(self) -> Any:
+        return self._held_k if self._kn is None else self._k[:, :, :self._kn]  # type: ignore[index]
+
+    @keys.setter
+    def keys(self, tensor: Any) -> None:
+        self._kn = prefix_length(tensor, self.__dict__.get("_k"))
+        self._held_k = None if self._kn is not None else tensor
+
+    @property
+    def values(self) -> Any:
+        return self._held_v if self._vn is None else self._v[:, :, :self._vn]  # type: ignore[index]
+
+    @values.setter
+    def values(self, tensor: Any) -> None:
+        self._vn = prefix_length(tensor, self.__dict__.get("_v"))
+        self._held_v = None if self._vn is not None else tensor
 
     def _init_room(self, room: int) -> None:
         self.room = room
@@ -44,27 +81,42 @@ class InPlaceAppend:
         """Use ``keys`` / ``values`` (``[B, H, capacity, D]``) as the buffers, the first ``length`` states filled."""
         self.lazy_initialization(keys, values)  # type: ignore[attr-defined]
         self._k, self._v = keys, values
-        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self._kn = self._vn = length
+        self._held_k = self._held_v = None
+
+    def held(self) -> int | None:
+        """How many states the layer holds while they are a prefix of its buffers (None: tensors of their own)."""
+        return self._kn if self._kn is not None and self._vn is not None else None
+
+    def expose(self, n: int) -> None:
+        """``keys`` / ``values`` are now the buffers' first ``n`` states (a batched pass wrote them there)."""
+        assert self._k is not None and self._v is not None and n <= self._k.shape[-2]
+        self._kn = self._vn = n
+        self._held_k = self._held_v = None
+
+    def keep_first(self, n: int) -> bool:
+        """``keys[..., :n, :]`` (and the values) by moving the lengths; False when not a prefix (slice instead)."""
+        if self._kn is None or self._vn is None:
+            return False
+        self._kn, self._vn = min(self._kn, max(n, 0)), min(self._vn, max(n, 0))
+        return True
 
     def _in_buffer(self) -> bool:
         """Whether ``keys`` / ``values`` are still prefix views of the buffers (not replaced from outside)."""
-        k, v = self._k, self._v
-        return (k is not None and v is not None and self.keys.dim() == 4
-                and self.keys.data_ptr() == k.data_ptr() and self.keys.stride() == k.stride()
-                and self.values.data_ptr() == v.data_ptr() and self.values.stride() == v.stride())
+        return self._k is not None and self._v is not None and self._kn is not None and self._vn is not None
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)  # type: ignore[attr-defined]
-        length, n = self.keys.shape[-2] if self.keys.dim() == 4 else 0, key_states.shape[-2]
-        if not self._in_buffer() or self._k is None or length + n > self._k.shape[-2] \
-                or self._k.shape[0] != key_states.shape[0]:
+        held, n = self.held(), key_states.shape[-2]
+        length = held if held is not None else self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        if held is None or self._k is None or length + n > self._k.shape[-2] or self._k.shape[0] != key_states.shape[0]:
             self._grow(length, length + n, key_states, value_states)
         assert self._k is not None and self._v is not None
         self._k[:, :, length:length + n].copy_(key_states)
         self._v[:, :, length:length + n].copy_(value_states)
-        self.keys, self.values = self._k[:, :, :length + n], self._v[:, :, :length + n]
-        return self.keys, self.values
+        self.expose(length + n)
+        return self._k[:, :, :length + n], self._v[:, :, :length + n]
 
     def _grow(self, length: int, need: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         capacity = max(need + self.room, need + need // 4)
@@ -94,6 +146,14 @@ class RoomyLayer(InPlaceAppend, DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self._append(key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self._kn if self._kn is not None else super().get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' crop (``tokens_to_remove`` < 0: drop that many states), a prefix's by its lengths."""
+        if not (tokens_to_remove < 0 and self.keep_first(self.get_seq_length() + tokens_to_remove)):
+            super().crop(tokens_to_remove)
 
     def reset(self) -> None:
         self._k = self._v = None

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ensemble_core.decoding.cache import RoomyLayer, RoomySlidingLayer
+from ensemble_core.decoding.cache import InPlaceAppend, RoomyLayer, RoomySlidingLayer
 from ensemble_core.decoding.masks import additive_mask, allow_row, layer_types, sliding_window, text_config
 from ensemble_core.decoding.slab import Slab
 from ensemble_core.transfer import HOST, to_device
@@ -161,10 +161,17 @@ def _row_layout(cache: Any, types: Sequence[str], window: int | None) -> _RowLay
     for layer, kind in zip(layers, types):
         if type(layer) not in (DynamicLayer, RoomyLayer, DynamicSlidingWindowLayer, RoomySlidingLayer):
             return None
-        filled = getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.dim() == 4
-        stored = int(layer.keys.shape[-2]) if filled else 0
-        if filled and layer.keys.shape[0] != 1:
-            return None
+        held = layer.held() if isinstance(layer, InPlaceAppend) else None  # a buffer's prefix: no view made
+        if held is not None:
+            filled, stored = True, held
+            if layer._k.shape[0] != 1:  # type: ignore[union-attr]
+                return None
+        else:
+            keys = layer.keys
+            filled = getattr(layer, "is_initialized", False) and keys is not None and keys.dim() == 4
+            stored = int(keys.shape[-2]) if filled else 0
+            if filled and keys.shape[0] != 1:
+                return None
         if kind == "sliding_attention":
             if not window:
                 return None

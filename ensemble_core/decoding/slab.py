@@ -62,6 +62,7 @@ class Slab:
     def __init__(self) -> None:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # per layer: each slot's row views
         self.owners: list[weakref.ref[Any]] = []
         self.capacity = 0
         self.stats = SlabStats()
@@ -74,11 +75,8 @@ class Slab:
             return None
         for idx in layers:
             layer = cache.layers[idx]
-            k = self.keys[idx]
-            if (not isinstance(layer, InPlaceAppend) or not layer._in_buffer() or layer._k is None or layer._v is None
-                    or layer._k.data_ptr() != k[slot].data_ptr()
-                    or layer._v.data_ptr() != self.values[idx][slot].data_ptr()
-                    or layer._k.shape[-2] != self.capacity):
+            if (not isinstance(layer, InPlaceAppend) or not layer._in_buffer()
+                    or layer._k is not self._rows[idx][0][slot] or layer._v is not self._rows[idx][1][slot]):
                 return None
         return slot
 
@@ -115,20 +113,24 @@ class Slab:
 
     def _rebuild(self, caches: Sequence[Any], layers: Sequence[int], lengths: Sequence[int], need: int) -> None:
         capacity = room_for(need)
-        rows = len(caches)
+        n_rows = len(caches)
         keys, values = {}, {}
+        rows: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for idx in layers:
             like = caches[0].layers[idx]
             _, heads, _, dim = like.keys.shape
-            k = like.keys.new_zeros((rows, heads, capacity, dim))
-            v = like.values.new_zeros((rows, heads, capacity, like.values.shape[-1]))
+            k = like.keys.new_zeros((n_rows, heads, capacity, dim))
+            v = like.values.new_zeros((n_rows, heads, capacity, like.values.shape[-1]))
+            rows_k, rows_v = [], []
             for s, (cache, n) in enumerate(zip(caches, lengths)):
                 layer = cache.layers[idx]
                 k[s, :, :n] = layer.keys[0]
                 v[s, :, :n] = layer.values[0]
-                layer.adopt(k[s:s + 1], v[s:s + 1], n)
-            keys[idx], values[idx] = k, v
-        self.keys, self.values, self.capacity = keys, values, capacity
+                rows_k.append(k[s:s + 1])
+                rows_v.append(v[s:s + 1])
+                layer.adopt(rows_k[-1], rows_v[-1], n)
+            keys[idx], values[idx], rows[idx] = k, v, (rows_k, rows_v)
+        self.keys, self.values, self.capacity, self._rows = keys, values, capacity, rows
         self.owners = [weakref.ref(c) for c in caches]
         self.stats.rebuilt += 1
 
@@ -145,8 +147,7 @@ class Slab:
         for cache, n, f in zip(caches, lengths, fed):
             for idx in layers:
                 layer = cache.layers[idx]
-                assert layer._k is not None and layer._v is not None
-                layer.keys, layer.values = layer._k[:, :, :n + f], layer._v[:, :, :n + f]
+                layer.expose(n + f)  # lengths move: no view is made (#38: the host's work per pass and layer)
                 if isinstance(layer, DynamicSlidingWindowLayer):
                     layer.cumulative_length = n + f
 

@@ -116,83 +116,23 @@ def row_sizes(slots: int) -> tuple[int, ...]:
     return (*(b for b in ROW_BUCKETS if b < slots), slots)
 
 
-def prefix_length(tensor: Any, buffer: torch.Tensor | None) -> int | None:
-    """``n`` when ``tensor`` is ``buffer[:, :, :n]`` (the same start and strides), else None."""
-    if buffer is None or not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 or tensor.stride() != buffer.stride() \
-            or tensor.shape[:2] != buffer.shape[:2] or tensor.shape[3] != buffer.shape[3] or tensor.shape[2] > buffer.shape[2]:
-        return None
-    if tensor.shape[2] == 0:  # an empty view has no data pointer to compare: any empty one of its kind is the prefix
-        return 0 if (tensor.dtype, tensor.device) == (buffer.dtype, buffer.device) else None
-    return tensor.shape[2] if tensor.data_ptr() == buffer.data_ptr() else None
-
-
 class SlotLayer(RoomyLayer):
     """A cache layer whose states are a prefix of a slot's buffer (every layer type: windows are in the masks).
 
     It is a :class:`~ensemble_core.decoding.cache.RoomyLayer` that adopted the slot's buffers,
     so a pass that does not run static (the model's own forward) appends into the slot the
     same way, and when the slot is full the layer grows into buffers of its own: the state
-    has then left the slot (:meth:`in_slot`).
-
-    While ``keys`` / ``values`` are prefixes of the buffers the layer holds their lengths, not the
-    views: a view is made when one is read (the eager forward, a crop, a branch), and a static pass
-    moves the lengths (:meth:`StaticCache.advance`). Why (#38): the host's work per pass must not
-    grow with the model's depth; slicing two views per layer and checking them cost ~5 us per layer
-    and request on a CPU (a 28-layer member: ~140 us a pass, 16 requests ~2 ms a batched pass,
-    about what a graphed 1B pass of 16 rows computes).
+    has then left the slot (:meth:`in_slot`). Like every such layer it holds its states' length
+    while they are the buffer's prefix, so a static pass moves lengths (:meth:`StaticCache.advance`)
+    and checks the slot with attribute reads, whatever the model's depth.
     """
-
-    _kn: int | None = None  # keys = _k[:, :, :_kn] while not None
-    _vn: int | None = None
-    _held_k: torch.Tensor | None = None  # keys otherwise (not a prefix of the buffer, or no buffer)
-    _held_v: torch.Tensor | None = None
-
-    @property  # type: ignore[override]
-    def keys(self) -> torch.Tensor | None:
-        return self._held_k if self._kn is None else self._k[:, :, :self._kn]  # type: ignore[index]
-
-    @keys.setter
-    def keys(self, tensor: torch.Tensor | None) -> None:
-        self._kn = prefix_length(tensor, self.__dict__.get("_k"))
-        self._held_k = None if self._kn is not None else tensor
-
-    @property  # type: ignore[override]
-    def values(self) -> torch.Tensor | None:
-        return self._held_v if self._vn is None else self._v[:, :, :self._vn]  # type: ignore[index]
-
-    @values.setter
-    def values(self, tensor: torch.Tensor | None) -> None:
-        self._vn = prefix_length(tensor, self.__dict__.get("_v"))
-        self._held_v = None if self._vn is not None else tensor
 
     def bind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.adopt(keys, values, 0)
         self._slot_keys = keys
 
-    def _in_buffer(self) -> bool:
-        return self._k is not None and self._kn is not None and self._vn is not None
-
     def in_slot(self) -> bool:
         return self._kn is not None and self._vn is not None and self._k is self._slot_keys
-
-    def get_seq_length(self) -> int:
-        return self._kn if self._kn is not None else super().get_seq_length()
-
-    def held(self) -> int | None:
-        """How many states the layer holds while they are a prefix of its buffer (None: a tensor of its own)."""
-        return self._kn if self._kn is not None and self._vn is not None else None
-
-    def keep_first(self, n: int) -> bool:
-        """``keys[..., :n, :]`` (and the values) by moving the lengths; False when not a prefix (slice instead)."""
-        if self._kn is None or self._vn is None:
-            return False
-        self._kn, self._vn = min(self._kn, max(n, 0)), min(self._vn, max(n, 0))
-        return True
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """transformers' crop (``tokens_to_remove`` < 0: drop that many states), a prefix's by its lengths."""
-        if not (tokens_to_remove < 0 and self.keep_first(self.get_seq_length() + tokens_to_remove)):
-            super().crop(tokens_to_remove)
 
 
 @dataclass(eq=False)
@@ -323,7 +263,7 @@ class StaticCache(DynamicCache):
     def advance(self, length: int) -> None:
         """Every layer now holds ``length`` states of its slot (a static pass wrote them there)."""
         for layer in self.layers:
-            layer._kn = layer._vn = length
+            layer.expose(length)
 
 
 class WriteCache:

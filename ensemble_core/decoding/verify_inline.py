@@ -39,12 +39,13 @@ from typing import Any
 
 import torch
 
+from ensemble_core.decoding.cache import RoomyLayer
 from ensemble_core.decoding.forward import Job, causal_job, single_pass
 from ensemble_core.decoding.masks import MASK_HONOURING_ATTENTION, layer_types, packed_layout, packed_masks
 from ensemble_core.decoding.members import UNREAD, DecodeState, Member
 from ensemble_core.decoding.rows import delegate
 from ensemble_core.decoding.scheduler import run_job
-from ensemble_core.decoding.static import SlotLayer, route
+from ensemble_core.decoding.static import route
 from ensemble_core.errors import InputError, UnsupportedAttentionError, UnsupportedModelError
 from ensemble_core.transfer import HOST, to_device
 
@@ -86,7 +87,7 @@ def branch_marks(state: DecodeState) -> list[Mark]:
     """Where every cache layer of ``state`` stands now: what :func:`rewind` slices back to."""
     marks = []
     for layer in _layers(state.cache):
-        held = layer.held() if isinstance(layer, SlotLayer) else None  # a slot's prefix: its length, no view made
+        held = layer.held() if isinstance(layer, RoomyLayer) else None  # a buffer's prefix: its length, no view made
         if held is not None:
             marks.append((layer, held, None))
             continue
@@ -105,7 +106,7 @@ def rewind(marks: Sequence[Mark], keep: int = 0) -> None:
     Exact because inside a branch layers only concatenate (see :func:`cache_branch`).
     """
     for layer, length, cumulative in marks:
-        if isinstance(layer, SlotLayer) and layer.keep_first(length + keep):
+        if isinstance(layer, RoomyLayer) and layer.keep_first(length + keep):
             continue
         keys = getattr(layer, "keys", None)
         if getattr(layer, "is_initialized", False) and keys is not None and keys.dim() >= 2:
