@@ -95,6 +95,9 @@ def test_roomy_layer_appends_in_place_and_stays_exact() -> None:
             roomy.crop(-2), plain.crop(-2)
         if step == 6:  # replaced from outside (e.g. a batch select): adopted again on the next update
             roomy.keys, roomy.values = roomy.keys.clone(), roomy.values.clone()
+            assert roomy.held() is None and roomy.get_seq_length() == plain.get_seq_length()  # held as given
+        else:  # a prefix of the buffer: held as its length, a view made when read
+            assert roomy.held() == roomy.get_seq_length() == plain.get_seq_length()
     assert roomy.keys.data_ptr() == roomy._k.data_ptr() and roomy._k.shape[-2] > roomy.keys.shape[-2]
 
     member = tiny_member("smollm2-135m-instruct", seed=2)
