@@ -30,6 +30,25 @@ def prefix_length(tensor: Any, buffer: torch.Tensor | None) -> int | None:
     return tensor.shape[2] if tensor.data_ptr() == buffer.data_ptr() else None
 
 
+class PrefixView:
+    """A layer's ``keys`` or ``values``: while the tensor set is its buffer's prefix, only its length is kept
+    and the view is made when read; any other tensor (or None) is kept as it is (see :class:`InPlaceAppend`)."""
+
+    def __init__(self, part: str) -> None:
+        self.buffer, self.length, self.held = f"_{part}", f"_{part}n", f"_held_{part}"
+
+    def __get__(self, layer: Any, owner: Any = None) -> Any:
+        if layer is None:
+            return self
+        n = getattr(layer, self.length)
+        return getattr(layer, self.held) if n is None else getattr(layer, self.buffer)[:, :, :n]
+
+    def __set__(self, layer: Any, tensor: Any) -> None:
+        n = prefix_length(tensor, layer.__dict__.get(self.buffer))
+        setattr(layer, self.length, n)
+        setattr(layer, self.held, None if n is not None else tensor)
+
+
 class InPlaceAppend:
     """Appending into spare room kept behind a cache layer's states (mixed into DynamicLayer kinds).
 
@@ -54,23 +73,8 @@ class InPlaceAppend:
     _held_k: torch.Tensor | None = None  # keys otherwise (not a prefix of the buffer, or no buffer)
     _held_v: torch.Tensor | None = None
 
-    @property
-    def keys(self) -> Any:
-        return self._held_k if self._kn is None else self._k[:, :, :self._kn]  # type: ignore[index]
-
-    @keys.setter
-    def keys(self, tensor: Any) -> None:
-        self._kn = prefix_length(tensor, self.__dict__.get("_k"))
-        self._held_k = None if self._kn is not None else tensor
-
-    @property
-    def values(self) -> Any:
-        return self._held_v if self._vn is None else self._v[:, :, :self._vn]  # type: ignore[index]
-
-    @values.setter
-    def values(self, tensor: Any) -> None:
-        self._vn = prefix_length(tensor, self.__dict__.get("_v"))
-        self._held_v = None if self._vn is not None else tensor
+    keys = PrefixView("k")
+    values = PrefixView("v")
 
     def _init_room(self, room: int) -> None:
         self.room = room
