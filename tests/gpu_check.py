@@ -138,6 +138,7 @@ def run_method(members: list[Member], method: str, tokens: int, **config) -> dic
             # device sets the pace; far below, the host does (docs/gpu.md, "Busy or waiting")
             "device_busy_ms_per_token": busy.busy_ms / counted_tokens,
             "device_busy_share": busy.share(1000 * result.seconds * counted_tokens / max(1, tokens)),
+            "device_busy_error": busy.error,
             "same_text_twice": counted.text == result.text,  # a seeded sampled request is reproducible on the device
             "stats": result.stats.as_dict(), "text_head": result.text[:80]}
 

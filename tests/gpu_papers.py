@@ -200,7 +200,7 @@ def method_speed(members: list[Member], method: str, tokens: int, **options: Any
             "syncs_per_token": syncs["syncs"] / min(tokens, 32) if torch.cuda.is_available() else None,
             # near 1: the device sets the pace; far below: the host does (docs/gpu.md, "Busy or waiting")
             "device_busy_ms_per_token": busy.busy_ms / counted_tokens,
-            "device_busy_share": busy.share(ms_per_token * counted_tokens),
+            "device_busy_share": busy.share(ms_per_token * counted_tokens), "device_busy_error": busy.error,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             "stats": {k: result.stats.get(k) for k in ("e_t", "drafted", "accepted", "rounds", "prompt_lookup",
                                                          "draft_confidence")},

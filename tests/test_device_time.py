@@ -59,3 +59,20 @@ def test_a_batch_counts_the_ops_of_its_request_threads() -> None:
     with device_time("cpu") as alone:
         ensemble.generate(prompts[0])
     assert alone.intervals > 10 and 0.05 < alone.share() <= 1.0, alone
+
+
+def test_a_profiler_that_cannot_start_costs_the_measurement_not_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU box the profiler may be unusable (no CUPTI, another profiler running): the run it measures goes
+    on, and the share is unknown with the reason, so one missing figure never costs a GPU step its others."""
+    import torch.profiler
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(torch.profiler, "profile", refuse)
+    with device_time("cpu") as busy:
+        y = torch.ones(3) * 2
+    assert torch.equal(y, torch.full((3,), 2.0)) and busy.wall_ms > 0
+    assert busy.share() is None and busy.error == "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"
+    with pytest.raises(KeyError), device_time("cpu"):  # the block's own errors still reach the caller
+        raise KeyError("boom")

@@ -31,6 +31,7 @@ class DeviceTime:
     busy_ms: float = 0.0
     wall_ms: float = 0.0
     intervals: int = 0  # the events seen: kernels, copies and fills (GPU), ops (CPU)
+    error: str | None = None  # why the profiler measured nothing (the block itself ran all the same)
 
     def share(self, timed_ms: float | None = None) -> float | None:
         """The share of a run's wall time the device is busy: ``busy_ms`` over ``timed_ms``, the wall time
@@ -92,11 +93,23 @@ def device_time(device: str | None = None) -> Iterator[DeviceTime]:
     # a GPU's kernels need no record of the host's ops (CUPTI sees them all, whichever thread launched them):
     # recording every op would slow the host for nothing
     activities = [ProfilerActivity.CUDA] if kind == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=activities, experimental_config=_all_threads()) as prof:
-        start = time.perf_counter()
+    prof: Any = None
+    try:  # a profiler that cannot start costs the measurement, never the run it measures
+        prof = profile(activities=activities, experimental_config=_all_threads() if kind == "cpu" else None)
+        prof.__enter__()
+    except Exception as exc:  # noqa: BLE001 - any profiler failure: the share is unknown, with the reason
+        prof, result.error = None, f"{type(exc).__name__}: {exc}"
+    start = time.perf_counter()
+    try:
         yield result
+    finally:
         if kind == "cuda":
             torch.cuda.synchronize()
         result.wall_ms = 1000 * (time.perf_counter() - start)
-    spans = _intervals(prof, kind)
-    result.busy_ms, result.intervals = busy_union(spans) / 1000, len(spans)
+        if prof is not None:
+            try:
+                prof.__exit__(None, None, None)
+                spans = _intervals(prof, kind)
+                result.busy_ms, result.intervals = busy_union(spans) / 1000, len(spans)
+            except Exception as exc:  # noqa: BLE001 - as above
+                result.error = f"{type(exc).__name__}: {exc}"
