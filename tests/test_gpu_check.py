@@ -49,6 +49,10 @@ def test_gpu_check_dry_runs_every_step(tmp_path: Path) -> None:
     assert all(row["reads_per_token"] >= 0 for row in rows.values()), rows  # the code's reads, counted on a CPU too
     # the device's busy share (on a CPU: the share of the profiled run in torch ops) was measured for every run
     assert all(0 < row["device_busy_share"] <= 1 for row in rows.values()), rows
+    # and for 16 concurrent requests over the static pool (not over eager passes: launch-bound, not asked);
+    # SpecEM's level (tiny random members write no text tokens with the other methods: no tokens/s to share)
+    assert 0 < report["batching_graphs"]["specem"]["16"]["device_busy_share"] <= 1, report["batching_graphs"]
+    assert "device_busy_share" not in report["batching"]["specem"]["16"]
 
 
 @pytest.mark.real  # the bundled tokenizers, as above
