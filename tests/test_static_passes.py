@@ -42,6 +42,14 @@ def static_twin(member: Member, mode: str = "static", max_cache_len: int | None 
     return Member(member.model, member.tokenizer, name=f"{member.name}-{mode}", passes=mode, max_cache_len=max_cache_len)
 
 
+def scored_states(member: Member, n: int) -> list:
+    """``n`` states of ``member`` on prompts of 6, 7, ... random ids, each scored (nothing pending)."""
+    states = [member.start_from_ids(random_ids(6 + i, i)) for i in range(n)]
+    for state in states:
+        state.score()
+    return states
+
+
 @pytest.mark.parametrize("alias", list(ALIASES))
 def test_static_passes_give_eager_logits_and_greedy_tokens(alias: str) -> None:
     eager = tiny_member(alias, seed=1, **ALIASES[alias])
@@ -203,9 +211,7 @@ def test_the_inputs_of_a_pass_take_the_same_tensor_ops_for_one_row_as_for_sixtee
     built a row at a time, paid once per step by every request sharing the pass). Rows of one token need no
     op of their own; a window of several tokens places its visibility with one."""
     member = tiny_member("qwen2.5-coder-0.5b-instruct", seed=2, layers=1)
-    states = [member.start_from_ids(random_ids(6 + i, i)) for i in range(16)]
-    for state in states:
-        state.score()
+    states = scored_states(member, 16)
     counts = []
     for rows in (1, 16):
         jobs = feed_jobs(states[:rows], [random_ids(1, 9)] * rows)
@@ -227,9 +233,7 @@ def test_a_pool_pass_copies_its_inputs_to_the_device_once_whatever_its_rows(monk
     """The host builds a pass's inputs and hands them over in one copy (plus one for the rows to keep), for one
     row as for four: no per-row device ops before the pass (each is a kernel launch on a GPU)."""
     member = static_twin(tiny_member("qwen2.5-coder-0.5b-instruct", seed=2, layers=2))
-    states = [member.start_from_ids(random_ids(6 + i, i)) for i in range(4)]
-    for state in states:
-        state.score()
+    states = scored_states(member, 4)
     runner = member.static
     assert runner is not None
     copies: list[str] = []
@@ -304,9 +308,7 @@ class _Ops(TorchDispatchMode):
 def _ops_around_a_pool_pass(layers: int) -> int:
     """Tensor ops a batched pool pass of three requests makes outside the pass itself (what a graph replays)."""
     member = static_twin(tiny_member("qwen2.5-coder-0.5b-instruct", seed=2, layers=layers))
-    states = [member.start_from_ids(random_ids(6 + i, i)) for i in range(3)]
-    for state in states:
-        state.score()
+    states = scored_states(member, 3)
     runner = member.static
     assert runner is not None
     inside: list[int] = []

@@ -15,6 +15,7 @@ profiled run and the wall time from an unprofiled run of the same tokens (``test
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -82,8 +83,6 @@ def _all_threads() -> object | None:
 def device_time(device: str | None = None) -> Iterator[DeviceTime]:
     """Profile the block and fill the yielded :class:`DeviceTime` on exit. ``device``: ``"cuda"`` or
     ``"cpu"`` (default: ``"cuda"`` where CUDA is available)."""
-    import time
-
     from torch.profiler import ProfilerActivity, profile
 
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -107,7 +107,7 @@ class InPlaceAppend:
 
     def _in_buffer(self) -> bool:
         """Whether ``keys`` / ``values`` are still prefix views of the buffers (not replaced from outside)."""
-        return self._k is not None and self._v is not None and self._kn is not None and self._vn is not None
+        return self.held() is not None  # a length is only ever held with its buffer
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:

@@ -132,7 +132,7 @@ class SlotLayer(RoomyLayer):
         self._slot_keys = keys
 
     def in_slot(self) -> bool:
-        return self._kn is not None and self._vn is not None and self._k is self._slot_keys
+        return self.held() is not None and self._k is self._slot_keys
 
 
 @dataclass(eq=False)
