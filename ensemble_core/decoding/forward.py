@@ -64,7 +64,10 @@ class Job:
     """One model call of one request: ``ids`` fed on ``cache``, logits wanted at ``keep``.
 
     ``positions`` are the true position ids of ``ids``; ``block[i, j]`` says whether new
-    token ``i`` may attend to new token ``j`` (lower-triangular for ordinary decoding).
+    token ``i`` may attend to new token ``j`` (a packed verify pass's layout). Both None: a causal
+    job (ordinary decoding), the ids at positions ``start ..`` each seeing those before it;
+    :meth:`layout` builds them as tensors only for a pass that needs them (#38: two small tensors
+    per request and token were host work that a batched or graphed pass never read).
     ``direct`` runs the very same call unbatched (used for a group of one and as the
     fallback); ``runner``, when set, runs it instead (a static slot's pass,
     :mod:`~ensemble_core.decoding.static`), with ``direct`` as its own fallback. The result is a
@@ -76,8 +79,8 @@ class Job:
 
     cache: Any
     ids: list[int]
-    positions: torch.Tensor
-    block: torch.Tensor
+    positions: torch.Tensor | None
+    block: torch.Tensor | None
     keep: list[int]
     direct: Callable[[], torch.Tensor]
     runner: Callable[[Job], torch.Tensor] | None = None
@@ -87,6 +90,19 @@ class Job:
     result: torch.Tensor | None = None
     error: BaseException | None = None
     device_ids: torch.Tensor | None = None
+    start: int = 0  # a causal job's first position (the cache's length when it was built)
+
+    @property
+    def causal(self) -> bool:
+        """Whether the ids are causal from :attr:`start` (no layout of their own)."""
+        return self.positions is None
+
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` ``[n]`` and ``block`` ``[n, n]`` as host tensors (a causal job's built here)."""
+        if self.positions is not None and self.block is not None:
+            return self.positions, self.block
+        n = len(self.ids)
+        return self.start + torch.arange(n, device=HOST), torch.ones(n, n, dtype=torch.bool, device=HOST).tril()
 
 
 def place_device_ids(ids: torch.Tensor, placed: Sequence[tuple[int, Job]], width: int) -> None:
@@ -106,10 +122,7 @@ def run_alone(job: Job) -> torch.Tensor:
 
 def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Callable[[], torch.Tensor]) -> Job:
     """A job for ids appended after everything in ``cache`` (ordinary incremental decoding)."""
-    n = len(ids)
-    start = int(cache.get_seq_length())
-    block = torch.ones(n, n, dtype=torch.bool, device=HOST).tril()
-    return Job(cache, [int(i) for i in ids], start + torch.arange(n, device=HOST), block, list(keep), direct)
+    return Job(cache, [int(i) for i in ids], None, None, list(keep), direct, start=int(cache.get_seq_length()))
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -357,7 +370,10 @@ def batched_forward(model: Any, jobs: Sequence[Job], buffers: dict[Any, torch.Te
     for r, job in enumerate(jobs):
         n = len(job.ids)
         ids[r, :n] = torch.tensor(job.ids, dtype=torch.long)
-        pos = job.positions.to(HOST)
+        if job.causal:  # its positions, continued past its last one, are one range
+            positions[r] = torch.arange(job.start, job.start + width_new)
+            continue
+        pos = job.layout()[0].to(HOST)
         positions[r, :n] = pos
         positions[r, n:] = pos[-1] + 1 + torch.arange(width_new - n)
     ids, positions = to_device(ids, device), to_device(positions, device)

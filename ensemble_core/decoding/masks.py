@@ -8,7 +8,7 @@ position ids and a custom 4-D additive mask, and both must reproduce what the mo
 mask would do on each layer type: full causal attention, or causal attention within a
 sliding window (Gemma-3). transformers returns a custom 4-D mask unchanged for every layer
 type, so the window is applied here, once, for both. The helpers take states and jobs by
-duck type (``.cache``, ``.member``; ``.ids``, ``.positions``, ``.block``), so this module sits
+duck type (``.cache``, ``.member``; ``.ids``, ``.layout()``), so this module sits
 below both users.
 """
 
@@ -116,10 +116,11 @@ def allow_row(allowed: torch.Tensor, job: Any, first_pos: int, ctx_col: int, vis
     and within ``window`` (sliding layers); padding queries see themselves (no all-masked row)."""
     device = allowed.device
     n, width_new = len(job.ids), allowed.shape[0]
-    q = job.positions.to(device)
+    positions, block = job.layout()
+    q = positions.to(device)
     k_pos = first_pos + torch.arange(visible, device=device)
     ctx_ok = k_pos[None, :] <= q[:, None]
-    new_ok = job.block.to(device)
+    new_ok = block.to(device)
     if window is not None:
         ctx_ok = ctx_ok & ((q[:, None] - k_pos[None, :]) < window)
         new_ok = new_ok & ((q[:, None] - q[None, :]) < window)

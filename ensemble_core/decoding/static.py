@@ -189,45 +189,52 @@ def host_inputs(placed: Sequence[Placed], r: int, k: int, scratch: int) -> torch
     Why it is built as one Python list, then a few tensor ops whatever the rows (#38): the host's
     work per batched pass is paid once per step by every request sharing it; building the rows
     one tensor op at a time cost ~33 us per row on a CPU (16 rows: ~0.55 ms a pass, about what a
-    graphed 1B pass of 16 rows computes). Only what lives in the jobs' tensors (positions, the
-    visibility of a window of several tokens) is placed with tensor ops; a one-token row sees itself.
+    graphed 1B pass of 16 rows computes). A causal job's positions are a range from its start and its
+    window is lower-triangular: both go into the list; only a packed job's layout (verify-in-line) is
+    placed with tensor ops.
     """
     rk, kk = r * k, k * k
     at_pos, at_write, at_context, at_block = rk, 2 * rk, 3 * rk, 3 * rk + r
     flat = [0] * (at_block + r * kk)
     flat[at_write:at_context] = [scratch + j for _ in range(r) for j in range(k)]
     flat[at_context:at_block] = [1] * r
-    fed: list[int] = []  # where each job's positions go
-    padded: list[int] = []  # where the positions continued past a job's last go ...
-    after: list[int] = []  # ... how far past it (1, 2, ...) ...
-    last: list[int] = []  # ... and which of the fed positions is that last one
-    windows: list[tuple[int, int, torch.Tensor]] = []  # (row, n, block) of jobs of several tokens
+    packed: list[tuple[int, Job]] = []  # (row, job) of jobs with a layout of their own
     for row, job, ctx in placed:
         n, base = len(job.ids), row * k
         flat[base:base + n] = job.ids
-        fed.extend(range(at_pos + base, at_pos + base + n))
-        padded.extend(range(at_pos + base + n, at_pos + base + k))
-        after.extend(range(1, k - n + 1))
-        last.extend([len(fed) - 1] * (k - n))
         flat[at_write + base:at_write + base + k] = range(ctx, ctx + k)
         flat[at_context + row] = ctx
         square = at_block + row * kk
         for i in range(n, k):  # padding queries see themselves
             flat[square + i * k + i] = 1
-        if n == 1:
-            flat[square] = 1
-        else:
-            windows.append((row, n, job.block))
+        if not job.causal:
+            packed.append((row, job))
+            continue
+        flat[at_pos + base:at_pos + base + k] = range(job.start, job.start + k)  # continued past its last
+        for i in range(n):
+            flat[square + i * k:square + i * k + i + 1] = [1] * (i + 1)
     out = torch.tensor(flat, dtype=torch.long)
-    if placed:
-        positions = torch.cat([job.positions for _, job, _ in placed]).to(HOST, torch.long)
-        out[torch.tensor(fed)] = positions
-        if padded:
-            out[torch.tensor(padded)] = positions[torch.tensor(last)] + torch.tensor(after)
-    block = out[at_block:].view(r, k, k)
-    for row, n, visible in windows:
-        block[row, :n, :n] = visible.to(HOST)
+    for row, job in packed:
+        n, base = len(job.ids), row * k
+        positions, visible = job.layout()
+        positions = positions.to(HOST, torch.long)
+        out[at_pos + base:at_pos + base + n] = positions
+        out[at_pos + base + n:at_pos + base + k] = positions[-1] + torch.arange(1, k - n + 1)
+        out[at_block + row * kk:at_block + (row + 1) * kk].view(k, k)[:n, :n] = visible.to(HOST)
     return out
+
+
+def kept_rows(out: torch.Tensor, placed: Sequence[tuple[int, list[int]]], k: int) -> list[torch.Tensor]:
+    """Each job's kept positions of a pass's ``[R, k, V]`` logits (``placed``: its row and positions), as float
+    copies (the next replay of the bucket reuses ``out``): one gather for every row, or, for one job keeping
+    a run of positions (a lone request's step), a slice: no index to build and copy per token."""
+    if len(placed) == 1:
+        row, keep = placed[0]
+        if keep and keep == list(range(keep[0], keep[0] + len(keep))):
+            return [out[row, keep[0]:keep[0] + len(keep)].to(torch.float32, copy=True)]  # a float32 out too
+    wanted = [row * k + i for row, keep in placed for i in keep]
+    picked = out.flatten(0, 1).index_select(0, to_device(wanted, out.device)).float()
+    return list(picked.split([len(keep) for _, keep in placed]))
 
 
 @dataclass(eq=False)
@@ -476,11 +483,8 @@ class StaticPasses:
         fill(bucket.inputs, host_inputs(placed, r, k, self.room))
         place_device_ids(bucket.inputs, [(row, job) for row, job, _ in placed], k)
         out, replayed = self._replay(bucket, pool.keys, pool.values)
-        # every row's kept positions in one gather: a copy, since the next replay of the bucket reuses ``out``
-        wanted = [row * k + i for row, job, _ in placed for i in job.keep]
-        picked = out.flatten(0, 1).index_select(0, to_device(wanted, out.device)).float()
         self._commit(caches, contexts, [len(job.ids) for job in jobs], replayed)
-        return list(picked.split([len(job.keep) for job in jobs]))
+        return kept_rows(out, [(row, job.keep) for row, job, _ in placed], k)
 
     def _commit(self, caches: Sequence[StaticCache], contexts: Sequence[int], fed: Sequence[int],
                 replayed: bool) -> None:
