@@ -351,6 +351,40 @@ def test_the_host_work_around_a_static_pass_does_not_grow_with_the_models_depth(
     assert ops.count == 0
 
 
+def test_a_lone_greedy_step_makes_few_tensor_ops_outside_its_pass() -> None:
+    """#38: around a graph replay, each of a request's tensor ops is host work (a dispatch, maybe a launch) per
+    token. A lone greedy ``single`` step makes ten: its inputs (one tensor, one copy), its kept row (a slice
+    copied to float32), the row handed back, the argmax and its read. It made 29: a causal job's positions and
+    window as tensors (4 ops) placed by index (6 more), a softmax the greedy choice did not need, a gather."""
+    member = static_twin(tiny_member("smollm2-135m-instruct", seed=0, layers=2))
+    runner = member.static
+    assert runner is not None
+    real, ops, inside = runner._forward, _Ops(), [0]
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        start = ops.count
+        try:
+            return real(*args, **kwargs)
+        finally:
+            inside[0] += ops.count - start
+
+    runner._forward = counted  # type: ignore[method-assign]
+    ensemble = Ensemble([member], method="single", max_new_tokens=12)
+    method = ensemble.method
+    request = method.begin("Count to twenty.", method.config)
+    method.step(request)  # the prefill
+    method.step(request)  # the first one-token step makes its bucket's buffers
+    steps = 0
+    with ops:
+        for _ in range(8):
+            chunk = method.step(request)
+            steps += 1
+            if chunk.done:
+                break
+    assert runner.counts["replays"] == 0 and runner.counts["static"] >= steps + 1  # every step a static pass
+    assert (ops.count - inside[0]) / steps <= 10, (ops.count - inside[0], steps)
+
+
 def test_a_slot_layer_holds_its_prefix_as_a_length_and_anything_else_as_a_tensor() -> None:
     """The layer's ``keys`` / ``values`` read as before (a view of the slot while a prefix of it, else the tensor
     set), so crops, branches and the eager forward see what they saw."""

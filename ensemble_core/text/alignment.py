@@ -200,16 +200,21 @@ class IncrementalDecoder:
 
     def push(self, new_ids: Sequence[int]) -> str:
         self.ids.extend(int(i) for i in new_ids)
-        delta = decode_suffix(self.tokenizer, self.ids[: self.read], self.ids[self.read:])
+        delta = decode_suffix(self.tokenizer, self._context(), self.ids[self.read:])
         if delta.endswith(REPLACEMENT_CHAR):
             return ""
         self.read = len(self.ids)
         self.text += delta
         return delta
 
+    def _context(self) -> list[int]:
+        """The ids before the unread ones that :func:`decode_suffix` reads (a copy of the whole list per token
+        made a reply's detokenisation quadratic in its length)."""
+        return self.ids[max(self.read - DECODE_CONTEXT, 0):self.read]
+
     def flush(self) -> str:
         """Whatever is pending, even an unfinished character (end of generation)."""
-        delta = decode_suffix(self.tokenizer, self.ids[: self.read], self.ids[self.read:])
+        delta = decode_suffix(self.tokenizer, self._context(), self.ids[self.read:])
         self.read = len(self.ids)
         self.text += delta
         return delta
