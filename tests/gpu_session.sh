@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of #38's GPU checks, the most decisive first, each step under its own timeout, results
 # under $OUT as they come (a step cut by its timeout keeps what it wrote). On a lent GPU (device tool,
-# carry [".gpu"] after ../shared/gpu/prepare.sh), from the repository root:
+# carry [".gpu"] after `bash tests/gpu_prepare.sh`: the shared kit, completed), from the repository root:
 #
 #   bash .gpu/run.sh bash tests/gpu_session.sh
 #
