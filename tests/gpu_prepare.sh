@@ -9,7 +9,7 @@
 # repository root:
 #
 #   bash tests/gpu_prepare.sh        # then device: carry [".gpu"], bash .gpu/run.sh bash tests/gpu_session.sh
-set -uo pipefail
+set -euo pipefail  # the kit's own failure is expected and caught below; any other step stops here
 [ -f pyproject.toml ] && [ -d ensemble_core ] || { echo "run from the repository root" >&2; exit 2; }
 kit=${GPU_KIT:-../shared/gpu}
 py=${PYTHON:-.venv/bin/python}
@@ -17,7 +17,7 @@ PYTHON="$py" bash "$kit/prepare.sh" || echo "the kit stopped (rc=$?): completing
 ls .gpu/whl/*.whl > /dev/null 2>&1 || { echo "no wheels in .gpu/whl: the kit's download failed" >&2; exit 1; }
 if [ ! -f .gpu/tok.tar.gz ]; then
   rm -rf .gpu/tok && mkdir -p .gpu/tok
-  "$py" - .gpu/tok <<'PY' || exit 1
+  "$py" - .gpu/tok <<'PY'
 import sys
 from pathlib import Path
 
@@ -28,7 +28,8 @@ for folder, alias in (("smol", "smollm2-135m-instruct"), ("gemma", "gemma3-270m"
                       ("qwen", "qwen2.5-coder-0.5b-instruct")):
     bundled_tokenizer(alias).save_pretrained(out / folder)
 PY
-  tar -czf .gpu/tok.tar.gz -C .gpu tok && rm -rf .gpu/tok
+  tar -czf .gpu/tok.tar.gz -C .gpu tok
+  rm -rf .gpu/tok
 fi
 [ -f .gpu/run.sh ] || cp "$kit/run.sh" .gpu/run.sh
 exclude=$(git rev-parse --git-path info/exclude)  # also in a worktree, whose .git is a file (the kit's mkdir fails)

@@ -53,7 +53,7 @@ def round_tokens(state: Any, pipeline: TokenPipeline, left: int) -> list[int]:
     base = len(state.ids)
     tokens: list[int] = []
     for j, row in enumerate(state.score(forced)):  # the pending token, then the forced ones: one pass
-        token = pipeline.next_token(row, keep_probs=False)[0]  # greedy: the logits' argmax, no softmax
+        token = pipeline.next_token(row, keep_probs=False)[0]  # greedy: the logits' argmax (a sample normalises)
         tokens.append(token)
         if token in state.member.eos_token_ids:
             break
