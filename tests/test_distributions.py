@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ensemble_core.bench.host_reads import HostReads
 from ensemble_core.decoding.members import Member
@@ -22,6 +23,7 @@ from ensemble_core.text.distributions import (
     UniTE,
     backing_table,
     fusion_weights,
+    gather_backed,
     geometric_mean,
     is_complete,
     make_distribution,
@@ -253,20 +255,62 @@ def test_a_backing_table_says_what_a_queued_gather_holds(tiny_qwen: Member, tiny
     rule = UniTE([tiny_qwen, tiny_llama])
     union = rule.union
     assert backing_table(union, 1, rule.tables[1]) is backing_table(union, 1, rule.tables[1])  # built once
-    backing = BackingTable(union, rule.tables[1])  # a fresh one: nothing learned yet
+    qwen = backing_table(union, 0, rule.tables[0])
+    backing = BackingTable(union, 1, rule.tables[1])  # a fresh one: nothing learned yet
     missing = next(k for k in rule.tables[0].ids_of if k not in rule.tables[1].ids_of and k.isascii() and len(k) > 6)
     u = union.index[missing]
     first = tiny_llama.tokenizer(missing.decode(), add_special_tokens=False)["input_ids"][0]
+    q = torch.softmax(torch.randn(tiny_qwen.vocab_size), 0)
     p = torch.softmax(torch.randn(tiny_llama.vocab_size), 0)
     at = torch.tensor([u, union.index[b" the"]])
     seen = backing.fills
-    before = backing.gather(p, at)  # queued before the first sub-token is known
+    before = gather_backed([qwen, backing], [q, p], at)  # queued before the first sub-token is known
     assert not backing.learned(u) and not backing.known(u, seen)
     backing.learn([(u, first)])  # as another thread would, before this one reads its gather
-    assert float(before[0]) == 0.0 and not backing.known(u, seen)
+    assert float(before[1, 0]) == 0.0 and not backing.known(u, seen)
     assert backing.known(u, backing.fills) and backing.first(u) == first and backing.exact(union.index[b" the"])
-    after = backing.gather(p, at)
-    assert float(after[0]) == float(p[first]) and float(after[1]) == float(p[one_id(tiny_llama, " the")])
+    after = gather_backed([qwen, backing], [q, p], at)
+    assert float(after[1, 0]) == float(p[first]) and float(after[1, 1]) == float(p[one_id(tiny_llama, " the")])
+    assert float(after[0, 0]) == float(q[rule.tables[0].ids_of[missing]].sum())  # Qwen's own token
+    assert torch.equal(after[0], before[0])
+
+
+def test_one_fusion_step_launches_few_kernels_whatever_the_members(tiny_qwen: Member, tiny_llama: Member,
+                                                                    tiny_gemma: Member) -> None:
+    """#38: on a GPU each tensor op of a fusion step is a kernel launched from the host (~22 us each on the
+    H200 box), paid at every ensembled token. With every string known, a UniTE step makes per member a
+    top-k (its barred ids masked: the inverted mask is kept per device) and its strings' positions; then one
+    gather over the members' vectors laid end to end and the one read. It made 30 kernel-like ops for two
+    members and 42 for three (per member an inverted mask, and a six-op gather of its own, then a stack)."""
+    members = [tiny_qwen, tiny_llama, tiny_gemma]
+    generator = torch.Generator().manual_seed(3)
+    counts = []
+    for n in (2, 3):
+        rule = UniTE(members[:n], top_k=5)
+        probs = _step_probs(members[:n], rule.tables, 5, generator)
+        rule.fuse(probs)
+        want = rule._fuse_by_text(probs, 0, [b""] * n, None)
+        with _KernelOps() as ops:
+            got = rule.fuse(probs)
+        assert got.keys == want.keys and torch.allclose(got.member_probs, want.member_probs, rtol=1e-6, atol=0)
+        counts.append(ops.count)
+    assert counts[0] <= 19 and counts[1] - counts[0] <= 5, counts
+
+
+class _KernelOps(TorchDispatchMode):
+    """Counts the tensor ops dispatched in its block that compute something (not views, not constants)."""
+
+    METADATA = frozenset({"view", "select", "slice", "detach", "detach_", "alias", "lift_fresh", "unsqueeze",
+                          "squeeze", "expand", "t", "transpose", "_reshape_alias", "_unsafe_view", "as_strided",
+                          "split", "split_with_sizes", "unbind"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += func.overloadpacket.__name__ not in self.METADATA
+        return func(*args, **(kwargs or {}))
 
 
 def test_gac_reads_its_candidates_once(tiny_llama: Member, tiny_gemma: Member) -> None:

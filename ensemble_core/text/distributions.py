@@ -412,8 +412,8 @@ class Distribution(ABC):
         """Each row's ``sizes[i]`` most likely ids among ``selectable[i]``, found where the row lives (not read)."""
         picks = []
         for p, allowed, k in zip(rows, selectable, sizes):
-            mask, count = _selectable_on(allowed, p.device)
-            picks.append(torch.topk(p.masked_fill(~mask, -1.0), min(k, count)).indices)
+            barred, count = _selectable_on(allowed, p.device)
+            picks.append(torch.topk(p.masked_fill(barred, -1.0), min(k, count)).indices)
         return picks
 
     @classmethod
@@ -437,18 +437,19 @@ _SELECTABLE_LOCK = threading.Lock()
 
 
 def _selectable_on(selectable: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
-    """A table's selectable mask on ``device`` and how many ids it selects, both kept per table: the
-    count is read once, not per token, and the mask copied once per device (a top-k runs where the
-    member's probabilities are, so that only the chosen ids come back to the host)."""
+    """A table's ids that are *not* selectable, as a mask on ``device``, and how many ids it selects, both kept
+    per table: the count is read once, not per token, and the mask inverted and copied once per device (a
+    top-k runs where the member's probabilities are, so that only the chosen ids come back to the host; an
+    inversion per member and token was one more kernel to launch)."""
     with _SELECTABLE_LOCK:
         entry = _SELECTABLE.get(id(selectable))
         if entry is None or entry[0]() is not selectable:
             entry = _SELECTABLE[id(selectable)] = (weakref.ref(selectable), int(selectable.sum()), {})
         _, count, copies = entry
-        mask = copies.get(str(device))
-        if mask is None:
-            mask = copies[str(device)] = to_device(selectable, device)
-    return mask, count
+        barred = copies.get(str(device))
+        if barred is None:
+            barred = copies[str(device)] = to_device(~selectable, device)
+    return barred, count
 
 
 def _strip_prefix(key: Key, prefix: bytes) -> Key | None:
@@ -501,13 +502,12 @@ class UniTE(Distribution):
         seen = [b.fills for b in backings]  # what the tables held when the gathers below were queued
         picks = self._top_ids(probs, [t.selectable for t in tables], [self.top_k] * n)
         at = torch.cat([maps[m][ids] for m, ids in enumerate(picks)])
-        gathered = torch.stack([b.gather(p, at) for b, p in zip(backings, probs)])
-        *top_ids, union_at, values = read_together([*picks, at, gathered])  # the one read
+        union_at, values = read_together([at, gather_backed(backings, probs, at)])  # the one read
         where: dict[Key, int] = {}  # a candidate's column in ``at`` (any column holding it: same string, same values)
         tops: list[list[Key]] = []
         offset = 0
-        for ids, table in zip(top_ids, tables):
-            own: list[Key] = [END if i in table.eos_ids else table.keys[i] for i in ids]  # type: ignore[misc]
+        for ids in picks:  # a member's top ids are its selectable tokens: each is the union string it maps to
+            own = [union.key(u) for u in union_at[offset:offset + len(ids)]]
             for j, key in enumerate(own):
                 where.setdefault(key, offset + j)
             tops.append(own)
@@ -706,12 +706,18 @@ class BackingTable:
     add meanwhile.
     """
 
-    def __init__(self, union: UnionVocabulary, table: TokenTable) -> None:
+    def __init__(self, union: UnionVocabulary, member: int, table: TokenTable) -> None:
         self.size = table.size
         self._table = table
         self._end = union.end
         self._keys = union.keys
-        width = max(1, len(table.eos_ids), *map(len, table.ids_of.values()))
+        sizes = [len(m) for m in union.maps]
+        if sizes[member] != table.size:
+            raise ValueError(f"member {member} of the union has {sizes[member]} ids, its table {table.size}")
+        #: where the member's vector starts when the union's members' vectors are laid end to end, and the
+        #: position of the zero after them (:func:`gather_backed`)
+        self.offset, self.pad = sum(sizes[:member]), sum(sizes)
+        self.width = width = max(1, len(table.eos_ids), *map(len, table.ids_of.values()))
         self._rows = torch.full((len(union.keys) + 2, width), -1, dtype=torch.long)
         for j in range(width):
             pairs = [(union.index[key], ids[j]) for key, ids in table.ids_of.items() if len(ids) > j]
@@ -720,7 +726,7 @@ class BackingTable:
             if pairs:
                 at, ids = zip(*pairs)
                 self._rows[list(at), j] = torch.tensor(ids, dtype=torch.long)
-        self._copies: dict[str, torch.Tensor] = {}
+        self._copies: dict[tuple[str, int], torch.Tensor] = {}  # by (device, width): see positions_on
         self._firsts: dict[int, tuple[int | None, int]] = {}  # union index -> (first sub-token or None, fill number)
         self._lock = threading.Lock()
         self.fills = 0
@@ -755,19 +761,46 @@ class BackingTable:
                 at, values = (list(column) for column in zip(*filled))
                 self._rows[at, 0] = torch.tensor(values, dtype=torch.long)
                 for copy in self._copies.values():  # queued before any later gather on that device
-                    copy[to_device(at, copy.device), 0] = to_device(values, copy.device)
+                    copy[to_device(at, copy.device), 0] = to_device([self.offset + v for v in values], copy.device)
             for u, f in new:
                 self.fills += 1
                 self._firsts[u] = (f, self.fills)
 
-    def gather(self, probs: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        """The member's probability of each union string in ``at`` (``probs`` its vector), where ``probs`` is."""
+    def positions_on(self, device: torch.device, width: int) -> torch.Tensor:
+        """The table as positions in the members' vectors laid end to end (``[strings, width]``: the member's
+        ids plus :attr:`offset`, the :attr:`pad` zero elsewhere), on ``device``, made once per device and width."""
+        key = (str(device), width)
         with self._lock:
-            rows = self._copies.get(str(probs.device))
-            if rows is None:
-                rows = self._copies[str(probs.device)] = to_device(self._rows, probs.device)
-        ids = rows[at]
-        return torch.where(ids >= 0, probs[ids.clamp(min=0)], 0.0).sum(-1)
+            copy = self._copies.get(key)
+            if copy is None:
+                rows = torch.full((self._rows.shape[0], width), self.pad, dtype=torch.long)
+                rows[:, :self.width] = torch.where(self._rows >= 0, self._rows + self.offset, self.pad)
+                copy = self._copies[key] = to_device(rows, device)
+        return copy
+
+
+#: Per device, a float32 zero: the :attr:`BackingTable.pad` entry after the members' vectors.
+_ZEROS: dict[str, torch.Tensor] = {}
+
+
+def gather_backed(backings: Sequence[BackingTable], probs: Sequence[torch.Tensor], at: torch.Tensor) -> torch.Tensor:
+    """``[members, len(at)]``: each member's probability of each union string in ``at`` (the sum over the
+    tokens that back it in its :class:`BackingTable`), where the probabilities are.
+
+    ``backings`` and ``probs`` are every member of the union, in its order (float32 vectors on one device).
+    Why one gather over the vectors laid end to end (#38): gathering member by member took six kernels per
+    member (padding entries masked with a comparison, a clamp and a select) and a stack; on a GPU that
+    launches kernels one at a time (~22 us each measured on the H200 box) a fusion step paid ~0.3 ms for
+    them. Laid end to end with one zero after them, every member's entries are one index and one sum."""
+    if len(backings) != len(probs) or any(b.pad != backings[0].pad for b in backings) or (
+            backings[-1].offset + backings[-1].size != backings[0].pad):
+        raise ValueError("gather_backed needs every member of one union, in its order")
+    device, width = probs[0].device, max(b.width for b in backings)
+    zero = _ZEROS.get(str(device))
+    if zero is None:
+        zero = _ZEROS.setdefault(str(device), torch.zeros(1, dtype=torch.float32, device=device))
+    flat = torch.cat([*probs, zero])
+    return flat[torch.stack([b.positions_on(device, width)[at] for b in backings])].sum(-1)
 
 
 _BACKINGS: dict[tuple[int, int], tuple[UnionVocabulary, BackingTable]] = {}
@@ -781,7 +814,7 @@ def backing_table(union: UnionVocabulary, member: int, table: TokenTable) -> Bac
         if hit is not None and hit[0] is union:
             return hit[1]
     with _gc_paused():
-        built = BackingTable(union, table)
+        built = BackingTable(union, member, table)
     with _TABLE_LOCK:
         hit = _BACKINGS.get(key)
         if hit is None or hit[0] is not union:  # a concurrent first request may have built it meanwhile
