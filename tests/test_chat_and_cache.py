@@ -111,3 +111,29 @@ def test_roomy_layer_appends_in_place_and_stays_exact() -> None:
         assert torch.allclose(rows[-1], _full_logits(member, state.ids), atol=1e-4)
         state.crop(len(state.ids) - round_ % 3)
         assert torch.allclose(state.score()[-1], _full_logits(member, state.ids), atol=1e-4)
+
+
+@pytest.mark.parametrize("passes", ["eager", "static"])
+def test_last_row_is_the_last_scored_row_from_a_pass_that_keeps_one_position(passes: str) -> None:
+    """``last_row`` (what every-token's step and a remote member's ``next_row`` take) equals ``score(...)[-1]``
+    after new ids, with ids pending before them, and with nothing new; its pass keeps one position (#38:
+    ``score`` put the cached row before the new rows, a copy and a concatenation on the device only to
+    take the last)."""
+    base = tiny_member("smollm2-135m-instruct", seed=4, layers=2)
+    member = Member(base.model, base.tokenizer, name=f"smol-{passes}", passes=passes, max_cache_len=64)
+    prompt = [5, 17, 300, 42, 9]
+    a, b = member.start_from_ids(prompt), member.start_from_ids(prompt)
+    a.score()
+    b.score()
+    kept: list[int] = []
+    job = a._job
+    a._job = lambda pending, keep, unread=None: (kept.append(keep), job(pending, keep, unread))[1]  # type: ignore[method-assign]
+    for new in ([7, 8, 9], [], [11]):
+        passes_before = a.stats.forward_passes
+        got, want = a.last_row(new), b.score(new)[-1]
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6), new
+        assert a.stats.forward_passes == passes_before + (1 if new else 0)
+    a.ids.extend([12, 13])  # pending ids (as a crop-and-refeed leaves them), then one more
+    b.ids.extend([12, 13])
+    assert torch.allclose(a.last_row([14]), b.score([14])[-1], atol=1e-6)
+    assert kept == [1, 1, 1] and a.ids == b.ids

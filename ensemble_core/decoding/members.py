@@ -252,6 +252,18 @@ class DecodeState:
         return torch.cat([last.to(rows.device).unsqueeze(0), rows], dim=0)
 
     @torch.inference_mode()
+    def last_row(self, new_ids: Sequence[int] = ()) -> torch.Tensor:
+        """``score(new_ids)[-1]``: the next-token logits after ``new_ids`` (``[V]``), the pass keeping its last
+        position only (``score`` keeps a row per new id and puts the cached row before them: on a GPU a copy
+        and a concatenation per step, only to be dropped, #38)."""
+        self.ids.extend(int(i) for i in new_ids)
+        pending = self.ids[self.cached:]
+        if not pending:
+            assert self._last_row is not None
+            return self._last_row
+        return self._run(pending, 1)[-1]
+
+    @torch.inference_mode()
     def score_unread(self, token: torch.Tensor) -> torch.Tensor:
         """Append one token the host has not read (a 0-d id tensor on the model's device: a draft's
         argmax or sample) and return the next-token logits row ``[V]``, without waiting for the token's value.

@@ -131,7 +131,7 @@ def next_row(state: Any, new_ids: Sequence[int] = ()) -> torch.Tensor:
     own = delegate(state, "next_row")
     if own is not None:
         return own(new_ids)
-    return state.score(new_ids)[-1]
+    return state.last_row(new_ids)
 
 
 def window_probs(state: Any, new_ids: Sequence[int], skip: int) -> Any:
