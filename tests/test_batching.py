@@ -577,3 +577,44 @@ def test_output_differences_say_where_batched_and_alone_outputs_part() -> None:
     diffs = output_differences(["same", "abcX", "ab"], ["same", "abcd", "abc"])
     assert diffs == [{"request": 1, "common_chars": 3, "chars": 4}, {"request": 2, "common_chars": 2, "chars": 3}]
     assert _parted(diffs) == " (parted at chars 3/4, 2/3)" and _parted([]) == ""
+
+
+@pytest.mark.parametrize("passes", ["eager", "static"])
+def test_a_batched_pass_chooses_its_greedy_rows_tokens_at_once(llama: Member, passes: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """#38: on an accelerator a batched pass takes the argmax of every greedy request's last row at once and
+    reads them together (one wait for the device per pass, not one per request and token). Turned on here
+    for the CPU: the same texts as each request alone, and the requests' tokens came from the pass."""
+    from ensemble_core.decoding import forward
+
+    member = Member(llama.model, llama.tokenizer, name=f"llama-{passes}", passes=passes, max_cache_len=256)
+    alone = [Ensemble([member], method="single", max_new_tokens=12).generate(p).text for p in PROMPTS[:4]]
+    monkeypatch.setattr(forward, "CHOOSE_ON_HOST", True)
+    calls: list[int] = []
+    real = forward.greedy_choices
+
+    def counted(jobs, results):  # type: ignore[no-untyped-def]
+        real(jobs, results)
+        calls.append(sum(job.chosen is not None for job in jobs))
+
+    monkeypatch.setattr("ensemble_core.decoding.scheduler.greedy_choices", counted)
+    ens = Ensemble([member], method="single", max_new_tokens=12)
+    assert [r.text for r in ens.batch(PROMPTS[:4])] == alone
+    assert sum(calls) >= 4 * 8 and max(calls) == 4, calls  # most tokens chosen by the pass, four rows at a time
+
+
+def test_greedy_choices_are_each_rows_argmax() -> None:
+    """The batch's choice is ``int(row.argmax())`` per greedy job (the first of equal maxima), None elsewhere."""
+    from ensemble_core.decoding import forward
+
+    rows = [torch.tensor([[0.0, 1.0, 1.0], [3.0, 2.0, 3.0]]), torch.tensor([[5.0, 0.0, 1.0]]),
+            torch.tensor([[0.0, 0.0, 9.0]])]
+    jobs = [Job(None, [1], None, None, [0], lambda: None, greedy=g) for g in (True, False, True)]
+    forward.greedy_choices(jobs, rows)
+    assert [j.chosen for j in jobs] == [None, None, None]  # on the CPU: off by default
+    forward.CHOOSE_ON_HOST = True
+    try:
+        forward.greedy_choices(jobs, rows)
+    finally:
+        forward.CHOOSE_ON_HOST = False
+    assert [j.chosen for j in jobs] == [0, None, 2]

@@ -74,7 +74,9 @@ class Job:
     float ``[len(keep), V]`` tensor. ``device_ids``, when set, are the ids on the model's device,
     not yet read by the host (a draft's argmax or sample, :func:`~ensemble_core.decoding.drafting.draft_tokens`);
     ``ids`` then hold placeholders of the same length, and every pass that builds its inputs on the
-    host copies these over them on the device (:func:`place_device_ids`).
+    host copies these over them on the device (:func:`place_device_ids`). ``greedy``: the requester
+    chooses the argmax of its last kept row; a batched pass then reads it for every such job at once
+    (:func:`greedy_choices`) into ``chosen`` (None: the requester takes it itself).
     """
 
     cache: Any
@@ -91,6 +93,8 @@ class Job:
     error: BaseException | None = None
     device_ids: torch.Tensor | None = None
     start: int = 0  # a causal job's first position (the cache's length when it was built)
+    greedy: bool = False
+    chosen: int | None = None
 
     @property
     def causal(self) -> bool:
@@ -123,6 +127,31 @@ def run_alone(job: Job) -> torch.Tensor:
 def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Callable[[], torch.Tensor]) -> Job:
     """A job for ids appended after everything in ``cache`` (ordinary incremental decoding)."""
     return Job(cache, [int(i) for i in ids], None, None, list(keep), direct, start=int(cache.get_seq_length()))
+
+
+#: Whether a batched pass on the CPU chooses its greedy rows' tokens too (:func:`greedy_choices`); off: measured
+#: no faster there (tests turn it on to check the choice).
+CHOOSE_ON_HOST = False
+
+
+def greedy_choices(jobs: Sequence[Job], results: Sequence[torch.Tensor]) -> None:
+    """Each greedy job's argmax of its last kept row (``results[i]`` is job ``i``'s rows), into ``chosen``: one
+    argmax over those rows and one read for the whole batch, where the rows are on an accelerator.
+
+    Why (#38): on a GPU a request that takes the argmax of its own row and reads it launches a kernel and
+    waits for the device once per request and token; here once per pass. The same token as
+    ``int(row.argmax())`` (the first of equal maxima, as there). On a CPU a read is no wait, and with 16
+    concurrent `single` requests (``docs/results/host/host_per_token.py``) the choice made here halved the
+    context switches per token (~21 -> ~9: each op of a request's thread hands the GIL to another and
+    back) but was no faster (a stack of the rows' logits and an argmax over them in the flushing thread
+    took what the requests' own argmaxes saved), so the CPU keeps choosing per request."""
+    wanted = [i for i, job in enumerate(jobs) if job.greedy]
+    if not wanted or (results[wanted[0]].device.type == "cpu" and not CHOOSE_ON_HOST):
+        return
+    last = [results[i][-1] for i in wanted]
+    ids = (last[0].argmax()[None] if len(last) == 1 else torch.stack(last).argmax(-1)).tolist()
+    for i, token in zip(wanted, ids):
+        jobs[i].chosen = int(token)
 
 
 # ----------------------------------------------------------------------------- pure helpers

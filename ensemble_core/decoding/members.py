@@ -208,6 +208,8 @@ class DecodeState:
         self.cached = 0
         self._fed_since_crop = 0
         self._last_row: torch.Tensor | None = None
+        #: the argmax of the last row of the last :meth:`score` with ``greedy``, when a batched pass read it
+        self.chosen: int | None = None
         #: The batcher of the request that created this state (None: every pass runs alone);
         #: see :mod:`ensemble_core.decoding.scheduler`.
         self.batch: Binding | None = current()
@@ -228,13 +230,16 @@ class DecodeState:
         return len(self.ids)
 
     @torch.inference_mode()
-    def score(self, new_ids: Sequence[int] = ()) -> torch.Tensor:
+    def score(self, new_ids: Sequence[int] = (), greedy: bool = False) -> torch.Tensor:
         """Append ``new_ids`` and return next-token logits, shape ``[len(new_ids) + 1, V]``.
 
         Row ``j`` is the distribution after ``ids_before + new_ids[:j]``: row 0 predicts
         the first new token, the last row predicts the token after all of them. Only the
-        pending tail is run through the model (one forward pass).
+        pending tail is run through the model (one forward pass). With ``greedy`` the caller
+        will take the argmax of the last row: a batched pass reads it with the other requests'
+        into :attr:`chosen` (None otherwise: the caller takes it).
         """
+        self.chosen = None
         self.ids.extend(int(i) for i in new_ids)
         pending = self.ids[self.cached:]
         want = len(new_ids) + 1
@@ -245,7 +250,7 @@ class DecodeState:
         last = self._last_row
         if reuse_last and last is None:
             raise InputError(f"Member {self.member.name!r} has no context to score from.")
-        rows = self._run(pending, min(len(pending), want))
+        rows = self._run(pending, min(len(pending), want), greedy=greedy)
         if not reuse_last:
             return rows
         assert last is not None
@@ -256,6 +261,7 @@ class DecodeState:
         """``score(new_ids)[-1]``: the next-token logits after ``new_ids`` (``[V]``), the pass keeping its last
         position only (``score`` keeps a row per new id and puts the cached row before them: on a GPU a copy
         and a concatenation per step, only to be dropped, #38)."""
+        self.chosen = None
         self.ids.extend(int(i) for i in new_ids)
         pending = self.ids[self.cached:]
         if not pending:
@@ -277,11 +283,14 @@ class DecodeState:
         self.ids.append(UNREAD)
         return self._run([UNREAD], 1, unread=token.reshape(1))[-1]
 
-    def _run(self, pending: list[int], keep: int, unread: torch.Tensor | None = None) -> torch.Tensor:
+    def _run(self, pending: list[int], keep: int, unread: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
         """One forward pass of the ``pending`` ids (all of ``ids[cached:]``): its last ``keep`` rows; the
-        state now caches every id and keeps the last row, and the pass is counted."""
+        state now caches every id and keeps the last row (and :attr:`chosen`), and the pass is counted."""
         t0 = time.perf_counter()
-        rows = run_job(self.batch, self.member, self._job(pending, keep, unread))
+        job = self._job(pending, keep, unread)
+        job.greedy = greedy
+        rows = run_job(self.batch, self.member, job)
+        self.chosen = job.chosen
         self.cached = len(self.ids)
         self._fed_since_crop += len(pending)
         self._last_row = rows[-1]

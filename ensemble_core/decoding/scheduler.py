@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ensemble_core.decoding.forward import Job, batched_forward, plan_groups, run_alone
+from ensemble_core.decoding.forward import Job, batched_forward, greedy_choices, plan_groups, run_alone
 from ensemble_core.decoding.slab import Slab
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.options import check_bool, check_int, check_number
@@ -436,6 +436,7 @@ class Batcher:
                 results = None
         lengths = [len(j.ids) for j in jobs]
         if results is not None:
+            greedy_choices(jobs, results)
             for job, rows in zip(jobs, results):
                 job.result = rows
             self._record(member, jobs=len(jobs), lengths=lengths, padded=max(lengths) * len(jobs), batched=True,

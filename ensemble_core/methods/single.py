@@ -52,8 +52,13 @@ def round_tokens(state: Any, pipeline: TokenPipeline, left: int) -> list[int]:
     forced = pipeline.forced(left - 1)
     base = len(state.ids)
     tokens: list[int] = []
-    for j, row in enumerate(state.score(forced)):  # the pending token, then the forced ones: one pass
-        token = pipeline.next_token(row, keep_probs=False)[0]  # greedy: the logits' argmax (a sample normalises)
+    # the pending token, then the forced ones: one pass; the last row's argmax read by a batched pass when
+    # the choice is one (greedy from the raw logits; scheduler.greedy_choices says why)
+    rows = state.score(forced, greedy=not forced and not pipeline.config.do_sample and pipeline.unmasked)
+    for j in range(len(rows)):
+        last = j == len(rows) - 1
+        # greedy: the logits' argmax (a sample normalises)
+        token = state.chosen if last and state.chosen is not None else pipeline.next_token(rows[j], keep_probs=False)[0]
         tokens.append(token)
         if token in state.member.eos_token_ids:
             break

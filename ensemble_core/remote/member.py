@@ -214,7 +214,10 @@ class RemoteDecodeState:
         return answer
 
     # ---------------------------------------------------------------- operations (one call each)
-    def score(self, new_ids: Sequence[int] = ()) -> torch.Tensor:
+    #: ``DecodeState.chosen``: never read here (the actor's passes are its own), so the caller chooses
+    chosen: int | None = None
+
+    def score(self, new_ids: Sequence[int] = (), greedy: bool = False) -> torch.Tensor:
         """``DecodeState.score``: every row, shipped (prefer the fused operations)."""
         ids = [int(i) for i in new_ids]
         rows = self._call("score", ids)
