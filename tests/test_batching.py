@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ensemble_core import Ensemble, Member
+from ensemble_core.decoding import forward
 from ensemble_core.decoding.forward import Job, batched_forward, plan_groups
 from ensemble_core.decoding.scheduler import Batcher, BatchingConfig, batching_config
 from ensemble_core.errors import InvalidOptionError
@@ -585,8 +586,6 @@ def test_a_batched_pass_chooses_its_greedy_rows_tokens_at_once(llama: Member, pa
     """#38: on an accelerator a batched pass takes the argmax of every greedy request's last row at once and
     reads them together (one wait for the device per pass, not one per request and token). Turned on here
     for the CPU: the same texts as each request alone, and the requests' tokens came from the pass."""
-    from ensemble_core.decoding import forward
-
     member = Member(llama.model, llama.tokenizer, name=f"llama-{passes}", passes=passes, max_cache_len=256)
     alone = [Ensemble([member], method="single", max_new_tokens=12).generate(p).text for p in PROMPTS[:4]]
     monkeypatch.setattr(forward, "CHOOSE_ON_HOST", True)
@@ -603,18 +602,13 @@ def test_a_batched_pass_chooses_its_greedy_rows_tokens_at_once(llama: Member, pa
     assert sum(calls) >= 4 * 8 and max(calls) == 4, calls  # most tokens chosen by the pass, four rows at a time
 
 
-def test_greedy_choices_are_each_rows_argmax() -> None:
+def test_greedy_choices_are_each_rows_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
     """The batch's choice is ``int(row.argmax())`` per greedy job (the first of equal maxima), None elsewhere."""
-    from ensemble_core.decoding import forward
-
     rows = [torch.tensor([[0.0, 1.0, 1.0], [3.0, 2.0, 3.0]]), torch.tensor([[5.0, 0.0, 1.0]]),
             torch.tensor([[0.0, 0.0, 9.0]])]
     jobs = [Job(None, [1], None, None, [0], lambda: None, greedy=g) for g in (True, False, True)]
     forward.greedy_choices(jobs, rows)
     assert [j.chosen for j in jobs] == [None, None, None]  # on the CPU: off by default
-    forward.CHOOSE_ON_HOST = True
-    try:
-        forward.greedy_choices(jobs, rows)
-    finally:
-        forward.CHOOSE_ON_HOST = False
+    monkeypatch.setattr(forward, "CHOOSE_ON_HOST", True)
+    forward.greedy_choices(jobs, rows)
     assert [j.chosen for j in jobs] == [0, None, 2]
