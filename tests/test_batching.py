@@ -20,7 +20,7 @@ from ensemble_core import Ensemble, Member
 from ensemble_core.decoding import forward
 from ensemble_core.decoding.forward import Job, batched_forward, plan_groups
 from ensemble_core.decoding.scheduler import Batcher, BatchingConfig, batching_config
-from ensemble_core.errors import InvalidOptionError
+from ensemble_core.errors import InputError, InvalidOptionError
 from ensemble_core.testing import feed_jobs, random_ids, tiny_member
 
 PROMPTS = [
@@ -612,3 +612,53 @@ def test_greedy_choices_are_each_rows_argmax(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(forward, "CHOOSE_ON_HOST", True)
     forward.greedy_choices(jobs, rows)
     assert [j.chosen for j in jobs] == [0, None, 2]
+
+
+@pytest.mark.parametrize("passes", ["eager", "static"])
+def test_bursts_of_concurrent_requests_step_together_without_their_threads(llama: Member, passes: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """#38 (vLLM's multi-step scheduling): with ``steps_per_read`` a request's burst is one job of several steps,
+    and the scheduler runs the next step of every burst in one pass: the requests' threads submit once per
+    burst, not once per token, the steps of four requests share their passes, and each text is its alone text."""
+    member = Member(llama.model, llama.tokenizer, name=f"llama-{passes}", passes=passes, max_cache_len=256)
+    alone = [Ensemble([member], method="single", max_new_tokens=24, batching=False).generate(p).text for p in PROMPTS[:4]]
+    submitted: list[int] = []
+    real = Batcher.submit
+
+    def counted(self, model_member, participant, job):  # type: ignore[no-untyped-def]
+        submitted.append(job.steps)
+        return real(self, model_member, participant, job)
+
+    monkeypatch.setattr(Batcher, "submit", counted)
+    ens = Ensemble([member], method="single", max_new_tokens=24, steps_per_read=16)
+    results = ens.batch(PROMPTS[:4])
+    assert [r.text for r in results] == alone
+    tokens = sum(r.stats["tokens"] for r in results)
+    assert tokens > 60 and len(submitted) <= 4 * 7, (tokens, submitted)  # prefill, bursts of 1 2 4 8 9 (+ a cut char)
+    assert max(submitted) >= 8  # one job for a burst's steps
+    stats = ens.method.batcher.stats
+    assert stats.max_rows == 4 and stats.batched_calls >= 16, stats.as_dict()  # the bursts' steps, four rows a pass
+
+
+def test_a_job_of_several_steps_feeds_each_rows_argmax_on(llama: Member) -> None:
+    """``DecodeState.score_steps``: the rows and ids of a loop of ``score_unread`` fed each row's argmax, from a
+    state with ids pending and from one with nothing pending (the first choice from its cached row); the state
+    holds the fed ids as unread placeholders until settled, and counts one pass per step."""
+    for pending in (True, False):
+        a, b = (llama.start_from_ids(random_ids(9, 5)) for _ in range(2))
+        if not pending:
+            a.score(), b.score()
+        rows, ids = a.score_steps(5)
+        loop_rows = [b.score()[-1]]
+        loop_ids = [loop_rows[-1].argmax()]
+        for _ in range(4):
+            loop_rows.append(b.score_unread(loop_ids[-1]))
+            loop_ids.append(loop_rows[-1].argmax())
+        assert rows.shape == (5, llama.vocab_size) and ids.tolist() == torch.stack(loop_ids).tolist()
+        assert torch.allclose(rows, torch.stack(loop_rows), atol=1e-5)
+        assert a.ids == b.ids and a.cached == b.cached == len(a.ids) and a.ids[-4:] == [-1] * 4
+        assert a.stats.forward_passes == b.stats.forward_passes
+        a.settle(len(a.ids) - 4, ids[:4].tolist())
+        assert torch.allclose(a.score([int(ids[-1])])[-1], b.score([int(ids[-1])])[-1], atol=1e-5)
+    with pytest.raises(InputError, match="steps"):
+        a.score_steps(0)

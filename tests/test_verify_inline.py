@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from ensemble_core import Ensemble, Member, UnsupportedAttentionError
-from ensemble_core.decoding.verify_inline import score_candidates_inline, score_candidates_separately
+from ensemble_core.decoding.verify_inline import (
+    branch_feed_steps,
+    branch_feed_unread,
+    cache_branch,
+    score_candidates_inline,
+    score_candidates_separately,
+)
 from ensemble_core.methods.specem import SpecEMEnsemble
 from ensemble_core.testing import random_ids, reference_last_row, tiny_member
 
@@ -112,3 +118,27 @@ def test_inline_exact_on_gemma_past_its_sliding_window(gemma3: Member) -> None:
     assert_inline_exact(gemma3, context, cands, [False, True], kinds=("logprob",))
 
 
+
+
+@pytest.mark.parametrize("passes", ["eager", "static"])
+def test_steps_on_a_branch_feed_each_rows_argmax_and_leave_the_state_as_it_was(passes: str) -> None:
+    """``branch_feed_steps`` (#38: a greedy segment's chunk as one job of several steps): the rows and ids of
+    as many ``branch_feed_unread`` calls each fed the last row's argmax, counted as that many passes, and the
+    branch's end leaves the state where it was."""
+    base = tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
+    member = Member(base.model, base.tokenizer, name=f"m-{passes}", passes=passes, max_cache_len=256)
+    a, b = (member.start_from_ids(random_ids(11, 2)) for _ in range(2))
+    first = a.score()[-1].argmax()
+    assert int(first) == int(b.score()[-1].argmax())
+    with cache_branch(a):
+        rows, ids = branch_feed_steps(a, first, 6)
+        grown = a.cache.get_seq_length()
+    with cache_branch(b):
+        loop_rows, token = [], first
+        for _ in range(6):
+            loop_rows.append(branch_feed_unread(b, token))
+            token = loop_rows[-1].argmax()
+        assert grown == b.cache.get_seq_length() == len(b.ids) + 6
+    assert ids.tolist() == torch.stack([r.argmax() for r in loop_rows]).tolist()
+    assert torch.allclose(rows, torch.stack(loop_rows), atol=1e-5)
+    assert a.stats.forward_passes == b.stats.forward_passes and a.cache.get_seq_length() == len(a.ids)

@@ -33,6 +33,7 @@ from ensemble_core.decoding.rows import TensorRows, delegate
 from ensemble_core.decoding.verify_inline import (
     Mark,
     branch_feed,
+    branch_feed_steps,
     branch_feed_unread,
     branch_marks,
     cache_branch,
@@ -144,25 +145,35 @@ def _draft_unread(state: Any, limit: int, budget: int, pipeline: TokenPipeline) 
     passes fed behind it are cropped away); under lazy calls the pipeline follows the ids after the
     read, and a draft in which a call started is cut behind the token that started it and drafts on
     under the call's grammar, token by token, as the loop does; so does one that ends inside a
-    character.
+    character. A greedy draft is one job of ``n`` steps (:meth:`DecodeState.score_steps`): its passes
+    choose and feed the argmax of the raw logits themselves, batched with other requests' steps, and
+    the host normalises the draft's rows once.
     """
     member = state.member
     base = len(state.ids)
     context = state.ids[max(0, base - DECODE_CONTEXT):base]
     n = max(1, min(limit, budget))
-    row = state.score()[-1]
-    tokens: list[torch.Tensor] = []
-    probs: list[torch.Tensor] = []
-    draws = []  # where the sampling generator stood before each pick (None: greedy)
-    for i in range(n):
-        p = pipeline.distribution(row)
-        draws.append(pipeline.draws(p.device))
-        tokens.append(pipeline.pick(p))  # the choice the reading loop makes (greedy or the same draw), not read
-        probs.append(p)
-        if i + 1 < n:  # the last drafted token is fed next round (or cropped)
-            row = state.score_unread(tokens[-1])
+    draws: list[Any] = []  # where the sampling generator stood before each pick (None: greedy)
+    if not pipeline.config.do_sample and hasattr(state, "score_steps"):
+        # greedy from the raw logits (free text): the passes choose and feed on their own, one job of n steps
+        logits, chosen = state.score_steps(n)
+        stacked: torch.Tensor | None = pipeline.distribution(logits)
+        probs: list[torch.Tensor] = list(stacked)
+        draws = [None] * n
+    else:
+        row = state.score()[-1]
+        tokens: list[torch.Tensor] = []
+        probs = []
+        for i in range(n):
+            p = pipeline.distribution(row)
+            draws.append(pipeline.draws(p.device))
+            tokens.append(pipeline.pick(p))  # the choice the reading loop makes (greedy or the same draw), not read
+            probs.append(p)
+            if i + 1 < n:  # the last drafted token is fed next round (or cropped)
+                row = state.score_unread(tokens[-1])
+        chosen, stacked = torch.stack(tokens), None
     eos = member.eos_id_tensor
-    rows = TensorRows(probs).read_ahead(torch.stack(tokens), eos, argmax=False)  # the one read of the draft
+    rows = TensorRows(probs if stacked is None else stacked).read_ahead(chosen, eos, argmax=False)  # the draft's one read
     ids = list(rows.targets)
     state.settle(base, ids[:n - 1])
     end = _followed(ids, member, pipeline)
@@ -343,12 +354,22 @@ def _segment_unread(state: Any, length: int, pipeline: TokenPipeline, stops: Seq
     row = state.score()[-1]
     segment = _Segment(state.member, state.ids, length, stops, tail)
     table: list[list[float]] = []
+    greedy = not pipeline.config.do_sample and hasattr(state, "unread_job")
     with cache_branch(state):
         while True:
             n = max(1, min(SEGMENT_CHUNK, length - len(segment.ids)))  # past the length: a token for a cut character
             marks = branch_marks(state)  # the branch before this chunk's unread passes
             tokens, scores, draws = [], [], []
-            for i in range(n):
+            if greedy:  # the passes choose and feed the raw logits' argmax themselves: one job of n - 1 steps
+                tokens = [row.argmax()]
+                rows = [row]
+                if n > 1:
+                    more, chosen = branch_feed_steps(state, tokens[0], n - 1)
+                    rows.extend(more)
+                    tokens.extend(chosen)  # the argmax of each row: the last is the chunk's last, not fed
+                scores = [row_scores(r, t, state.member.eos_token_ids) for r, t in zip(rows, tokens)]
+                draws = [None] * n
+            for i in range(n if not greedy else 0):
                 draws.append(pipeline.draws(row.device))
                 tokens.append(pipeline.pick_next(row))  # the reading loop's choice (greedy or the same draw), not read
                 scores.append(row_scores(row, tokens[-1], state.member.eos_token_ids))

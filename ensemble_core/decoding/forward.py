@@ -76,7 +76,10 @@ class Job:
     ``ids`` then hold placeholders of the same length, and every pass that builds its inputs on the
     host copies these over them on the device (:func:`place_device_ids`). ``greedy``: the requester
     chooses the argmax of its last kept row; a batched pass then reads it for every such job at once
-    (:func:`greedy_choices`) into ``chosen`` (None: the requester takes it itself).
+    (:func:`greedy_choices`) into ``chosen`` (None: the requester takes it itself). ``steps`` > 1: the job
+    asks for that many passes, each after the first fed the argmax of the pass before it, on the device
+    (:func:`run_steps`; ``follow`` builds the next pass's job from that id); its result is then the kept row
+    of every pass (``[steps, V]``) and ``step_ids`` their argmaxes (``[steps]``, on the device, unread).
     """
 
     cache: Any
@@ -95,6 +98,9 @@ class Job:
     start: int = 0  # a causal job's first position (the cache's length when it was built)
     greedy: bool = False
     chosen: int | None = None
+    steps: int = 1
+    follow: Callable[[torch.Tensor], Job] | None = None
+    step_ids: torch.Tensor | None = None
 
     @property
     def causal(self) -> bool:
@@ -119,9 +125,85 @@ def place_device_ids(ids: torch.Tensor, placed: Sequence[tuple[int, Job]], width
             flat[row * width: row * width + len(job.ids)].copy_(job.device_ids)
 
 
-def run_alone(job: Job) -> torch.Tensor:
-    """``job``'s own unbatched call (its ``runner``, else ``direct``)."""
+def run_pass(job: Job) -> torch.Tensor:
+    """One pass of ``job``, unbatched: its ``runner``, else ``direct`` (its first step only, see :func:`run_steps`)."""
     return job.runner(job) if job.runner is not None else job.direct()
+
+
+def run_alone(job: Job) -> torch.Tensor:
+    """``job``'s own unbatched passes (all its steps): its result."""
+    if job.steps <= 1:
+        return run_pass(job)
+    run_steps([job], _passes_alone)
+    if job.error is not None:
+        raise job.error
+    assert job.result is not None
+    return job.result
+
+
+def _passes_alone(jobs: list[Job]) -> None:
+    for job in jobs:
+        try:
+            job.result = run_pass(job)
+        except Exception as exc:  # noqa: BLE001 - handed to the job's requester by run_alone
+            job.error = exc
+
+
+@dataclass(eq=False)
+class _Steps:
+    """A job of several steps while it runs: the job whose pass ran last, each pass's kept row and argmax."""
+
+    origin: Job
+    last: Job
+    rows: list[torch.Tensor]
+    ids: list[torch.Tensor]
+
+
+def run_steps(jobs: Sequence[Job], run_group: Callable[[list[Job]], None]) -> None:
+    """Run ``jobs`` (``run_group`` runs one pass of the jobs it is given, setting each one's ``result`` or
+    ``error``), then every job of several :attr:`Job.steps` on: the argmax of its last kept row is fed by its
+    next pass (:attr:`Job.follow`), on the device, the jobs still going in one pass, until each has run
+    its steps. A job of several steps ends with the kept row of each of its passes as its ``result``
+    (``[steps, V]``) and their argmaxes as ``step_ids``.
+
+    Why (#38; vLLM's multi-step scheduling): a request that decodes greedily from the raw logits needs
+    nothing from the host between its passes, so its thread waits once per ``steps`` tokens, not once
+    per token, and the passes of concurrent requests need not wait for each request's Python between
+    them: the host's work per step is the pass's own and one argmax over the rows going on.
+    """
+    run_group(list(jobs))
+    going = [_Steps(job, job, [], []) for job in jobs if job.steps > 1]
+    every = list(going)
+    while going:
+        live = []
+        for chain in going:
+            if chain.last.error is not None:
+                chain.origin.error = chain.last.error
+            else:
+                live.append(chain)
+        if not live:
+            break
+        lasts = [chain.last.result[-1] for chain in live]  # type: ignore[index]
+        chosen = torch.stack(lasts).argmax(-1) if len(lasts) > 1 else lasts[0].argmax()[None]
+        going = []
+        for i, chain in enumerate(live):
+            chain.rows.append(lasts[i])
+            chain.ids.append(chosen[i:i + 1])
+            if len(chain.rows) == chain.origin.steps:
+                continue
+            try:
+                assert chain.origin.follow is not None, "a job of several steps says how to build the next"
+                chain.last = chain.origin.follow(chain.ids[-1])
+            except Exception as exc:  # noqa: BLE001 - handed to the job's requester
+                chain.origin.error = exc
+                continue
+            going.append(chain)
+        if going:
+            run_group([chain.last for chain in going])
+    for chain in every:
+        if chain.origin.error is None and len(chain.rows) == chain.origin.steps:
+            chain.origin.result = torch.stack(chain.rows)
+            chain.origin.step_ids = torch.cat(chain.ids)
 
 
 def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Callable[[], torch.Tensor]) -> Job:

@@ -283,6 +283,57 @@ class DecodeState:
         self.ids.append(UNREAD)
         return self._run([UNREAD], 1, unread=token.reshape(1))[-1]
 
+    @torch.inference_mode()
+    def score_steps(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``n`` greedy choices from the raw logits, each fed to the pass after it on the device, none
+        read: the logits row each was chosen from (``[n, V]``, float) and the ids (``[n]``, on the device).
+        The first ``n - 1`` are fed (:data:`UNREAD` in :attr:`ids` until :meth:`settle`), the last is not
+        (as :meth:`score_unread` leaves a draft's last id). With nothing pending the first choice comes from
+        the cached row, with no pass.
+
+        One job of several steps (:attr:`~ensemble_core.decoding.forward.Job.steps`): alone, its passes run
+        back to back; batched, the scheduler runs every such job's next step in one pass with the other
+        requests' (vLLM's multi-step scheduling), so the request's thread waits once per ``n`` tokens, not
+        once per token (#38). The same ids as a loop of :meth:`score_unread` fed each row's argmax.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InputError(f"score_steps needs a number of steps >= 1, got {n!r}.")
+        self.chosen = None
+        pending = self.ids[self.cached:]
+        first: list[torch.Tensor] = []  # the cached row and its argmax, when nothing is pending
+        unread = None
+        if not pending:
+            last = self._last_row
+            if last is None:
+                raise InputError(f"Member {self.member.name!r} has no context to score from.")
+            unread = last.argmax()[None]
+            if n == 1:
+                return last[None], unread
+            first, n = [last, unread], n - 1
+            self.ids.append(UNREAD)
+            pending = [UNREAD]
+        t0 = time.perf_counter()
+        job = self._job(pending, 1, unread)
+        job.steps, job.follow = n, self.unread_job
+        rows = run_job(self.batch, self.member, job)
+        assert job.step_ids is not None or n == 1
+        ids = job.step_ids if job.step_ids is not None else rows[-1].argmax()[None]
+        self.ids.extend([UNREAD] * (n - 1))
+        self.cached = len(self.ids)
+        self._fed_since_crop += len(pending) + n - 1
+        self._last_row = rows[-1]
+        self.stats.forward_passes += n
+        self.stats.tokens_fed += len(pending) + n - 1
+        self.stats.seconds += time.perf_counter() - t0
+        if first:
+            return torch.cat([first[0][None], rows]), torch.cat([first[1], ids])
+        return rows, ids
+
+    def unread_job(self, token: torch.Tensor) -> Job:
+        """The pass of one id the host has not read (``token``, on the device) on the cache, keeping its row:
+        each next step of a job of several (:meth:`score_steps`, a segment's chunk on a branch)."""
+        return self._job([UNREAD], 1, token.reshape(1))
+
     def _run(self, pending: list[int], keep: int, unread: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
         """One forward pass of the ``pending`` ids (all of ``ids[cached:]``): its last ``keep`` rows; the
         state now caches every id and keeps the last row (and :attr:`chosen`), and the pass is counted."""

@@ -170,9 +170,14 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | Seque
     else:
         positions, block = packed_layout(packed, cache.get_seq_length(), HOST)
         job = Job(cache, [int(i) for i in ids], positions, block, keep, direct)
-    rows = run_job(state.batch, member, route(job))
-    state.stats.forward_passes += 1
-    state.stats.tokens_fed += len(ids)
+    return _submit(state, route(job), len(ids), t0)
+
+
+def _submit(state: DecodeState, job: Job, fed: int, t0: float) -> torch.Tensor:
+    """Run ``job`` (alone or through the request's batcher) and count its passes and the ids they fed."""
+    rows = run_job(state.batch, state.member, job)
+    state.stats.forward_passes += job.steps
+    state.stats.tokens_fed += fed
     state.stats.seconds += time.perf_counter() - t0
     return rows
 
@@ -188,6 +193,22 @@ def branch_feed_unread(state: DecodeState, token: torch.Tensor) -> torch.Tensor:
     """Next-token logits ``[V]`` after one token the host has not read (a 0-d id on the model's device),
     appended on a branch: a segment drafts on without waiting for its tokens (#38)."""
     return _forward(state, [UNREAD], 1, unread=token.reshape(1))[-1]
+
+
+@torch.inference_mode()
+def branch_feed_steps(state: DecodeState, token: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token`` (unread, on the device) then the argmax of each row after it, ``n`` passes on a branch, none
+    read: the rows after each fed token (``[n, V]``) and the argmax of each (``[n]``, the last not fed).
+
+    Why (#38): a greedy segment drafts on from the raw logits without the host choosing between its
+    passes; one job of ``n`` steps (:attr:`~ensemble_core.decoding.forward.Job.steps`) runs them back to
+    back alone, and batched with the other requests' steps, so the request's thread waits once per
+    chunk. The same rows and ids as ``n`` calls of :func:`branch_feed_unread`, each fed the last row's argmax.
+    """
+    job = state.unread_job(token)
+    job.steps, job.follow = n, state.unread_job
+    rows = _submit(state, job, n, time.perf_counter())
+    return rows, job.step_ids if job.step_ids is not None else rows[-1].argmax()[None]
 
 
 # ----------------------------------------------------------------------------- scoring
