@@ -417,6 +417,56 @@ def test_a_slot_layer_holds_its_prefix_as_a_length_and_anything_else_as_a_tensor
     assert layer.keys is None and layer.values is None and not layer.in_slot()
 
 
+def test_static_passes_move_one_shared_length_and_layers_moved_otherwise_rejoin_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """#38: while only static passes move a state, its layers read one length (``SlotLength``): a pass checks the
+    slot and moves the states without a call per layer. An eager append (the model's own forward), a crop and a
+    branch's rewind set the layers' own lengths; the next static pass finds them in the slot at one length and
+    shares it again; the logits stay the eager twin's throughout."""
+    eager = tiny_member("smollm2-135m-instruct", seed=1, **ALIASES["smollm2-135m-instruct"])
+    member = static_twin(eager)
+    state, twin = member.start_from_ids(random_ids(9, 4)), eager.start_from_ids(random_ids(9, 4))
+    cache = state.cache
+    assert isinstance(cache, StaticCache) and cache.length.shared and cache.length.n == 0
+    per_layer: list[str] = []
+    for name in ("in_slot", "expose"):
+        real = getattr(static_module.SlotLayer, name)
+
+        def spy(self, *args, _real=real, _name=name):  # type: ignore[no-untyped-def]
+            per_layer.append(_name)
+            return _real(self, *args)
+
+        monkeypatch.setattr(static_module.SlotLayer, name, spy)
+
+    def both(ids: list[int]) -> None:
+        a, b = state.score(ids), twin.score(ids)
+        assert torch.allclose(a, b, atol=1e-4) and cache.get_seq_length() == twin.cache.get_seq_length()
+
+    both([])  # the prefill
+    both([11, 12])
+    assert per_layer == [] and cache.length.shared and cache.length.n == 11
+    assert all(layer.get_seq_length() == 11 and layer.keys.shape[2] == 11 for layer in cache.layers)
+    state.crop(9), twin.crop(9)  # one length moved: the layers follow it
+    assert per_layer == [] and cache.length.shared and {layer.keys.shape[2] for layer in cache.layers} == {8}
+    both([13])
+    state.cache.layers[0].crop(-1)  # a layer moved on its own: the others keep the shared length as their own
+    assert not cache.length.shared and cache.layers[0].get_seq_length() == 9 and cache.layers[1].get_seq_length() == 10
+    cache.layers[0].keys = cache.layers[0]._k[:, :, :10]  # back in step: the next pass shares it again
+    cache.layers[0].values = cache.layers[0]._v[:, :, :10]
+    per_layer.clear()
+    both([14])
+    assert cache.length.shared and cache.length.n == 11 and per_layer.count("in_slot") == len(cache.layers)
+    job = state._job([15], 1)
+    state._last_row = job.direct()[-1]  # the model's own forward (a static pass's fallback) appends layer by layer
+    state.ids.append(15)
+    state.cached = len(state.ids)
+    twin.score([15])
+    assert not cache.length.shared and cache.in_slot() and cache.length.shared and cache.length.n == 12
+    with verify_inline.cache_branch(state):
+        verify_inline.branch_feed(state, [16, 17])
+    assert cache.get_seq_length() == 12 and cache.in_slot() and cache.length.shared
+    both([18])
+
+
 def test_slots_are_lent_to_one_state_at_a_time_and_returned() -> None:
     member = tiny_member("smollm2-135m-instruct", seed=0)
     member.static = StaticPasses(member.model, "static", max_cache_len=128, slots=1)
