@@ -45,7 +45,9 @@ import json
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -153,23 +155,29 @@ def batching(members: dict[str, Member], tokens: int, levels: tuple[int, ...] = 
     options = ThroughputOptions(concurrency=levels, max_new_tokens=tokens, sequential_requests=8)
     runs = {"single": [members["llama-1b"]], "safe": [members["drafter-135m"], members["llama-1b"]],
             "specem": [members["llama-1b"], members["gemma-1b"]]}
+    if busy:  # #38: each request's burst as one job of several steps, run by the scheduler a pass per step for all
+        runs["single_steps16"] = runs["single"]
     out = {}
     for method, ms in runs.items():
-        result = measure_method(method, ms, prompts, options)
+        name = method.removesuffix("_steps16")
+        config = {name: {"steps_per_read": 16}} if method.endswith("_steps16") else {}
+        result = measure_method(name, ms, prompts, replace(options, methods=(name,), method_config=config))
         out[method] = {c: {k: lv[k] for k in ("speedup", "tokens_per_s", "sequential_tokens_per_s", "mean_latency_s",
                                               "sequential_mean_latency_s", "identical_outputs")}
                        | {"rows_per_call": {n: m["rows_per_call"] for n, m in lv["batcher"]["per_member"].items()}}
                        for c, lv in result["levels"].items()}
         top = out[method].get(max(levels)) or out[method].get(str(max(levels)))
         if busy and top and top.get("tokens_per_s"):  # whether the batch keeps the device busy or waits on the host
-            top["device_busy_share"] = batch_busy_share(ms, method, prompts[:max(levels)], tokens, top["tokens_per_s"])
+            top["device_busy_share"] = batch_busy_share(ms, name, prompts[:max(levels)], tokens, top["tokens_per_s"],
+                                                        **config.get(name, {}))
     return out
 
 
-def batch_busy_share(members: list[Member], method: str, prompts: list, tokens: int, tokens_per_s: float) -> float | None:
+def batch_busy_share(members: list[Member], method: str, prompts: list, tokens: int, tokens_per_s: float,
+                     **config: Any) -> float | None:
     """The share of a batch's wall time the device computes: its busy time per output token in one profiled
     batch of ``prompts`` (:mod:`~ensemble_core.bench.device_time`) over the timed batch's (``tokens_per_s``)."""
-    ens = Ensemble(members, method=method, max_new_tokens=tokens)
+    ens = Ensemble(members, method=method, max_new_tokens=tokens, **config)
     ens.batch(prompts[:2])  # warm-up
     with device_time() as busy:
         results = ens.batch(prompts)
