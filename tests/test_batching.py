@@ -640,25 +640,33 @@ def test_bursts_of_concurrent_requests_step_together_without_their_threads(llama
     assert stats.max_rows == 4 and stats.batched_calls >= 16, stats.as_dict()  # the bursts' steps, four rows a pass
 
 
-def test_a_job_of_several_steps_feeds_each_rows_argmax_on(llama: Member) -> None:
-    """``DecodeState.score_steps``: the rows and ids of a loop of ``score_unread`` fed each row's argmax, from a
-    state with ids pending and from one with nothing pending (the first choice from its cached row); the state
-    holds the fed ids as unread placeholders until settled, and counts one pass per step."""
+def test_a_job_of_several_steps_feeds_each_rows_choice_on(llama: Member) -> None:
+    """``DecodeState.score_steps``: the rows and ids of a loop that reads each row's argmax (or a seeded draw made
+    in the same order) and feeds it, from a state with ids pending and from one with nothing pending (the first
+    choice from its cached row); the state holds the fed ids as unread placeholders until settled, and counts
+    one pass per step."""
+    def drawer():  # type: ignore[no-untyped-def]
+        generator = torch.Generator().manual_seed(3)
+        return lambda row: torch.multinomial(torch.softmax(row, -1), 1, generator=generator)[0]
+
     for pending in (True, False):
-        a, b = (llama.start_from_ids(random_ids(9, 5)) for _ in range(2))
-        if not pending:
-            a.score(), b.score()
-        rows, ids = a.score_steps(5)
-        loop_rows = [b.score()[-1]]
-        loop_ids = [loop_rows[-1].argmax()]
-        for _ in range(4):
-            loop_rows.append(b.score_unread(loop_ids[-1]))
-            loop_ids.append(loop_rows[-1].argmax())
-        assert rows.shape == (5, llama.vocab_size) and ids.tolist() == torch.stack(loop_ids).tolist()
-        assert torch.allclose(rows, torch.stack(loop_rows), atol=1e-5)
-        assert a.ids == b.ids and a.cached == b.cached == len(a.ids) and a.ids[-4:] == [-1] * 4
-        assert a.stats.forward_passes == b.stats.forward_passes
-        a.settle(len(a.ids) - 4, ids[:4].tolist())
-        assert torch.allclose(a.score([int(ids[-1])])[-1], b.score([int(ids[-1])])[-1], atol=1e-5)
+        for sampled in (False, True):
+            a, b = (llama.start_from_ids(random_ids(9, 5)) for _ in range(2))
+            if not pending:
+                a.score(), b.score()
+            rows, ids = a.score_steps(5, drawer() if sampled else None)
+            choose = drawer() if sampled else (lambda row: row.argmax())
+            loop_rows = [b.score()[-1]]
+            loop_ids = [int(choose(loop_rows[-1]))]
+            for _ in range(4):
+                loop_rows.append(b.score([loop_ids[-1]])[-1])
+                loop_ids.append(int(choose(loop_rows[-1])))
+            assert rows.shape == (5, llama.vocab_size) and ids.tolist() == loop_ids
+            assert torch.allclose(rows, torch.stack(loop_rows), atol=1e-5)
+            assert a.ids[-4:] == [-1] * 4 and a.cached == len(a.ids) == len(b.ids) == b.cached
+            assert a.stats.forward_passes == b.stats.forward_passes
+            a.settle(len(a.ids) - 4, loop_ids[:4])
+            assert a.ids == b.ids
+            assert torch.allclose(a.score([loop_ids[-1]])[-1], b.score([loop_ids[-1]])[-1], atol=1e-5)
     with pytest.raises(InputError, match="steps"):
         a.score_steps(0)

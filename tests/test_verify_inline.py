@@ -7,8 +7,8 @@ import torch
 
 from ensemble_core import Ensemble, Member, UnsupportedAttentionError
 from ensemble_core.decoding.verify_inline import (
+    branch_feed,
     branch_feed_steps,
-    branch_feed_unread,
     cache_branch,
     score_candidates_inline,
     score_candidates_separately,
@@ -121,24 +121,33 @@ def test_inline_exact_on_gemma_past_its_sliding_window(gemma3: Member) -> None:
 
 
 @pytest.mark.parametrize("passes", ["eager", "static"])
-def test_steps_on_a_branch_feed_each_rows_argmax_and_leave_the_state_as_it_was(passes: str) -> None:
-    """``branch_feed_steps`` (#38: a greedy segment's chunk as one job of several steps): the rows and ids of
-    as many ``branch_feed_unread`` calls each fed the last row's argmax, counted as that many passes, and the
-    branch's end leaves the state where it was."""
+@pytest.mark.parametrize("sampled", [False, True])
+def test_steps_on_a_branch_feed_each_rows_choice_and_leave_the_state_as_it_was(passes: str, sampled: bool) -> None:
+    """``branch_feed_steps`` (#38: a segment's chunk as one job of several steps): the rows and ids of as many
+    ``branch_feed`` calls each fed the id chosen from the last row (its argmax, or a seeded draw made in the
+    same order), counted as that many passes, and the branch's end leaves the state where it was."""
     base = tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
     member = Member(base.model, base.tokenizer, name=f"m-{passes}", passes=passes, max_cache_len=256)
     a, b = (member.start_from_ids(random_ids(11, 2)) for _ in range(2))
+
+    def drawer():  # type: ignore[no-untyped-def]
+        generator = torch.Generator().manual_seed(7)
+        return lambda row: torch.multinomial(torch.softmax(row, -1), 1, generator=generator)[0]
+
+    choose = drawer() if sampled else None
     first = a.score()[-1].argmax()
     assert int(first) == int(b.score()[-1].argmax())
     with cache_branch(a):
-        rows, ids = branch_feed_steps(a, first, 6)
+        rows, ids = branch_feed_steps(a, first, 6, choose)
         grown = a.cache.get_seq_length()
     with cache_branch(b):
-        loop_rows, token = [], first
+        again = drawer() if sampled else (lambda row: row.argmax())
+        loop_rows, loop_ids, token = [], [], int(first)
         for _ in range(6):
-            loop_rows.append(branch_feed_unread(b, token))
-            token = loop_rows[-1].argmax()
+            loop_rows.append(branch_feed(b, [token])[-1])
+            loop_ids.append(int(again(loop_rows[-1])))
+            token = loop_ids[-1]
         assert grown == b.cache.get_seq_length() == len(b.ids) + 6
-    assert ids.tolist() == torch.stack([r.argmax() for r in loop_rows]).tolist()
+    assert ids.tolist() == loop_ids
     assert torch.allclose(rows, torch.stack(loop_rows), atol=1e-5)
     assert a.stats.forward_passes == b.stats.forward_passes and a.cache.get_seq_length() == len(a.ids)

@@ -34,7 +34,6 @@ from ensemble_core.decoding.verify_inline import (
     Mark,
     branch_feed,
     branch_feed_steps,
-    branch_feed_unread,
     branch_marks,
     cache_branch,
     rewind,
@@ -129,7 +128,7 @@ def unread_drafting(state: Any, pipeline: TokenPipeline, confidence: float = 0.0
     ``follow_calls``: the draft can stop behind a token that starts a call (:func:`_draft_unread`), so lazy
     calls in free text (``tool_choice="auto"``, an agent's turn) need not read per token either."""
     free = pipeline.unmasked if follow_calls else not pipeline.constrained
-    return hasattr(state, "score_unread") and free and not confidence and not lookup
+    return hasattr(state, "score_steps") and free and not confidence and not lookup
 
 
 def _draft_unread(state: Any, limit: int, budget: int, pipeline: TokenPipeline) -> tuple[list[int], TensorRows]:
@@ -154,24 +153,22 @@ def _draft_unread(state: Any, limit: int, budget: int, pipeline: TokenPipeline) 
     context = state.ids[max(0, base - DECODE_CONTEXT):base]
     n = max(1, min(limit, budget))
     draws: list[Any] = []  # where the sampling generator stood before each pick (None: greedy)
-    if not pipeline.config.do_sample and hasattr(state, "score_steps"):
+    probs: list[torch.Tensor] = []
+    stacked: torch.Tensor | None = None
+    if not pipeline.config.do_sample:
         # greedy from the raw logits (free text): the passes choose and feed on their own, one job of n steps
         logits, chosen = state.score_steps(n)
-        stacked: torch.Tensor | None = pipeline.distribution(logits)
-        probs: list[torch.Tensor] = list(stacked)
+        stacked = pipeline.distribution(logits)
+        probs = list(stacked)
         draws = [None] * n
     else:
-        row = state.score()[-1]
-        tokens: list[torch.Tensor] = []
-        probs = []
-        for i in range(n):
+        def draw(row: torch.Tensor) -> torch.Tensor:  # the reading loop's draw, in the pass's order
             p = pipeline.distribution(row)
             draws.append(pipeline.draws(p.device))
-            tokens.append(pipeline.pick(p))  # the choice the reading loop makes (greedy or the same draw), not read
             probs.append(p)
-            if i + 1 < n:  # the last drafted token is fed next round (or cropped)
-                row = state.score_unread(tokens[-1])
-        chosen, stacked = torch.stack(tokens), None
+            return pipeline.pick(p)
+
+        _, chosen = state.score_steps(n, draw)
     eos = member.eos_id_tensor
     rows = TensorRows(probs if stacked is None else stacked).read_ahead(chosen, eos, argmax=False)  # the draft's one read
     ids = list(rows.targets)
@@ -344,7 +341,8 @@ SEGMENT_CHUNK = 16
 def _segment_unread(state: Any, length: int, pipeline: TokenPipeline, stops: Sequence[str],
                     tail: str) -> tuple[list[int], str | None, str, DraftScores | None]:
     """:func:`draft_segment` with the ids left on the device: a chunk of tokens is drafted, each pass fed
-    the previous pass's choice unread (:func:`~ensemble_core.decoding.verify_inline.branch_feed_unread`),
+    the previous pass's choice unread (one job of several steps,
+    :func:`~ensemble_core.decoding.verify_inline.branch_feed_steps`: batched with other requests' steps),
     then the chunk's ids and scores are read at once and the loop's decisions (:meth:`_Segment.take`)
     taken on them in order; what was drafted behind the end is dropped with the branch. Under lazy calls,
     a token that starts a call ends the unread part: the branch is cut back behind it and the segment
@@ -354,27 +352,25 @@ def _segment_unread(state: Any, length: int, pipeline: TokenPipeline, stops: Seq
     row = state.score()[-1]
     segment = _Segment(state.member, state.ids, length, stops, tail)
     table: list[list[float]] = []
-    greedy = not pipeline.config.do_sample and hasattr(state, "unread_job")
     with cache_branch(state):
         while True:
             n = max(1, min(SEGMENT_CHUNK, length - len(segment.ids)))  # past the length: a token for a cut character
             marks = branch_marks(state)  # the branch before this chunk's unread passes
-            tokens, scores, draws = [], [], []
-            if greedy:  # the passes choose and feed the raw logits' argmax themselves: one job of n - 1 steps
-                tokens = [row.argmax()]
-                rows = [row]
-                if n > 1:
-                    more, chosen = branch_feed_steps(state, tokens[0], n - 1)
-                    rows.extend(more)
-                    tokens.extend(chosen)  # the argmax of each row: the last is the chunk's last, not fed
-                scores = [row_scores(r, t, state.member.eos_token_ids) for r, t in zip(rows, tokens)]
+            draws: list[Any] = []
+
+            def pick(row: torch.Tensor, draws: list[Any] = draws) -> torch.Tensor:  # the reading loop's choice
+                draws.append(pipeline.draws(row.device))  # (greedy, or the same draw)
+                return pipeline.pick_next(row)
+
+            greedy = not pipeline.config.do_sample  # the passes take the raw logits' argmax themselves
+            tokens, rows = [pick(row)], [row]  # the passes choose the rest: one job of n - 1 steps
+            if n > 1:
+                more, chosen = branch_feed_steps(state, tokens[0], n - 1, None if greedy else pick)
+                rows.extend(more)
+                tokens.extend(chosen)  # the id chosen from each row: the last is the chunk's last, not fed
+            if greedy:
                 draws = [None] * n
-            for i in range(n if not greedy else 0):
-                draws.append(pipeline.draws(row.device))
-                tokens.append(pipeline.pick_next(row))  # the reading loop's choice (greedy or the same draw), not read
-                scores.append(row_scores(row, tokens[-1], state.member.eos_token_ids))
-                if i + 1 < n:
-                    row = branch_feed_unread(state, tokens[-1])
+            scores = [row_scores(r, t, state.member.eos_token_ids) for r, t in zip(rows, tokens)]
             chunk, values = read_together([torch.stack(tokens), torch.stack(scores)])  # the chunk's one read
             for j, token in enumerate(chunk):
                 table.append(values[4 * j: 4 * j + 4])

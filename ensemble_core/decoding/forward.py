@@ -78,8 +78,9 @@ class Job:
     chooses the argmax of its last kept row; a batched pass then reads it for every such job at once
     (:func:`greedy_choices`) into ``chosen`` (None: the requester takes it itself). ``steps`` > 1: the job
     asks for that many passes, each after the first fed the argmax of the pass before it, on the device
-    (:func:`run_steps`; ``follow`` builds the next pass's job from that id); its result is then the kept row
-    of every pass (``[steps, V]``) and ``step_ids`` their argmaxes (``[steps]``, on the device, unread).
+    (:func:`run_steps`; ``follow`` builds the next pass's job from that id; ``choose``, when set, chooses it
+    instead of the argmax: a sampled draw); its result is then the kept row of every pass (``[steps, V]``)
+    and ``step_ids`` the ids chosen from them (``[steps]``, on the device, unread).
     """
 
     cache: Any
@@ -100,6 +101,7 @@ class Job:
     chosen: int | None = None
     steps: int = 1
     follow: Callable[[torch.Tensor], Job] | None = None
+    choose: Callable[[torch.Tensor], torch.Tensor] | None = None
     step_ids: torch.Tensor | None = None
 
     @property
@@ -161,10 +163,11 @@ class _Steps:
 
 def run_steps(jobs: Sequence[Job], run_group: Callable[[list[Job]], None]) -> None:
     """Run ``jobs`` (``run_group`` runs one pass of the jobs it is given, setting each one's ``result`` or
-    ``error``), then every job of several :attr:`Job.steps` on: the argmax of its last kept row is fed by its
-    next pass (:attr:`Job.follow`), on the device, the jobs still going in one pass, until each has run
-    its steps. A job of several steps ends with the kept row of each of its passes as its ``result``
-    (``[steps, V]``) and their argmaxes as ``step_ids``.
+    ``error``), then every job of several :attr:`Job.steps` on: the argmax of its last kept row (one op for
+    every greedy job going; a job's own :attr:`Job.choose` else, a draw) is fed by its next pass
+    (:attr:`Job.follow`), on the device, the jobs still going in one pass, until each has run its steps.
+    A job of several steps ends with the kept row of each of its passes as its ``result`` (``[steps, V]``)
+    and the ids chosen from them as ``step_ids``.
 
     Why (#38; vLLM's multi-step scheduling): a request that decodes greedily from the raw logits needs
     nothing from the host between its passes, so its thread waits once per ``steps`` tokens, not once
@@ -184,11 +187,11 @@ def run_steps(jobs: Sequence[Job], run_group: Callable[[list[Job]], None]) -> No
         if not live:
             break
         lasts = [chain.last.result[-1] for chain in live]  # type: ignore[index]
-        chosen = torch.stack(lasts).argmax(-1) if len(lasts) > 1 else lasts[0].argmax()[None]
+        chosen = _choices(live, lasts)
         going = []
         for i, chain in enumerate(live):
             chain.rows.append(lasts[i])
-            chain.ids.append(chosen[i:i + 1])
+            chain.ids.append(chosen[i])
             if len(chain.rows) == chain.origin.steps:
                 continue
             try:
@@ -204,6 +207,24 @@ def run_steps(jobs: Sequence[Job], run_group: Callable[[list[Job]], None]) -> No
         if chain.origin.error is None and len(chain.rows) == chain.origin.steps:
             chain.origin.result = torch.stack(chain.rows)
             chain.origin.step_ids = torch.cat(chain.ids)
+
+
+def _choices(chains: Sequence[_Steps], rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each chain's next id (``[1]``, on the device) from its last row: the argmax, in one op for every greedy
+    chain, or the chain's own :attr:`Job.choose`."""
+    ids: list[torch.Tensor | None] = [None] * len(chains)
+    greedy = [i for i, chain in enumerate(chains) if chain.origin.choose is None]
+    if len(greedy) > 1:
+        picked = torch.stack([rows[i] for i in greedy]).argmax(-1)
+        for j, i in enumerate(greedy):
+            ids[i] = picked[j:j + 1]
+    elif greedy:
+        ids[greedy[0]] = rows[greedy[0]].argmax()[None]
+    for i, chain in enumerate(chains):
+        choose = chain.origin.choose
+        if choose is not None:
+            ids[i] = choose(rows[i]).reshape(1)
+    return ids  # type: ignore[return-value]
 
 
 def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Callable[[], torch.Tensor]) -> Job:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,7 +187,7 @@ class DecodeStats:
     graph_replays: int = 0  # of those, replayed CUDA graphs
 
 
-#: The placeholder of an id appended on the device and not read yet (:meth:`DecodeState.score_unread`).
+#: The placeholder of an id appended on the device and not read yet (:meth:`DecodeState.score_steps`).
 UNREAD = -1
 
 
@@ -270,31 +270,20 @@ class DecodeState:
         return self._run(pending, 1)[-1]
 
     @torch.inference_mode()
-    def score_unread(self, token: torch.Tensor) -> torch.Tensor:
-        """Append one token the host has not read (a 0-d id tensor on the model's device: a draft's
-        argmax or sample) and return the next-token logits row ``[V]``, without waiting for the token's value.
-
-        Why (#38): a draft that read each token before feeding it made the host wait for the device
-        once per drafted token. Its id stays :data:`UNREAD` in :attr:`ids` until :meth:`settle`; only the
-        cached ids may come before it (nothing pending).
-        """
-        if self.cached != len(self.ids):
-            raise InputError(f"Member {self.member.name!r} has pending ids: score them before an unread token.")
-        self.ids.append(UNREAD)
-        return self._run([UNREAD], 1, unread=token.reshape(1))[-1]
-
-    @torch.inference_mode()
-    def score_steps(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next ``n`` greedy choices from the raw logits, each fed to the pass after it on the device, none
-        read: the logits row each was chosen from (``[n, V]``, float) and the ids (``[n]``, on the device).
+    def score_steps(self, n: int, choose: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``n`` choices, each fed to the pass after it on the device, none read: the logits row each
+        was chosen from (``[n, V]``, float) and the ids (``[n]``, on the device). A choice is the argmax of the
+        raw logits, or ``choose(row)`` (a 0-d or 1-element id on the device: a sampled draw).
         The first ``n - 1`` are fed (:data:`UNREAD` in :attr:`ids` until :meth:`settle`), the last is not
-        (as :meth:`score_unread` leaves a draft's last id). With nothing pending the first choice comes from
+        (the next round feeds it, or crops it). With nothing pending the first choice comes from
         the cached row, with no pass.
 
         One job of several steps (:attr:`~ensemble_core.decoding.forward.Job.steps`): alone, its passes run
         back to back; batched, the scheduler runs every such job's next step in one pass with the other
         requests' (vLLM's multi-step scheduling), so the request's thread waits once per ``n`` tokens, not
-        once per token (#38). The same ids as a loop of :meth:`score_unread` fed each row's argmax.
+        once per token (#38; a loop that read each token before feeding it made the host wait for the device
+        once per token). The same rows and ids as that loop.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InputError(f"score_steps needs a number of steps >= 1, got {n!r}.")
@@ -306,7 +295,7 @@ class DecodeState:
             last = self._last_row
             if last is None:
                 raise InputError(f"Member {self.member.name!r} has no context to score from.")
-            unread = last.argmax()[None]
+            unread = (choose(last) if choose is not None else last.argmax()).reshape(1)
             if n == 1:
                 return last[None], unread
             first, n = [last, unread], n - 1
@@ -314,10 +303,12 @@ class DecodeState:
             pending = [UNREAD]
         t0 = time.perf_counter()
         job = self._job(pending, 1, unread)
-        job.steps, job.follow = n, self.unread_job
+        job.steps, job.follow, job.choose = n, self.unread_job, choose
         rows = run_job(self.batch, self.member, job)
-        assert job.step_ids is not None or n == 1
-        ids = job.step_ids if job.step_ids is not None else rows[-1].argmax()[None]
+        if job.step_ids is not None:
+            ids = job.step_ids
+        else:  # one step: a plain pass, chosen here
+            ids = (choose(rows[-1]) if choose is not None else rows[-1].argmax()).reshape(1)
         self.ids.extend([UNREAD] * (n - 1))
         self.cached = len(self.ids)
         self._fed_since_crop += len(pending) + n - 1
@@ -334,11 +325,11 @@ class DecodeState:
         each next step of a job of several (:meth:`score_steps`, a segment's chunk on a branch)."""
         return self._job([UNREAD], 1, token.reshape(1))
 
-    def _run(self, pending: list[int], keep: int, unread: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
+    def _run(self, pending: list[int], keep: int, greedy: bool = False) -> torch.Tensor:
         """One forward pass of the ``pending`` ids (all of ``ids[cached:]``): its last ``keep`` rows; the
         state now caches every id and keeps the last row (and :attr:`chosen`), and the pass is counted."""
         t0 = time.perf_counter()
-        job = self._job(pending, keep, unread)
+        job = self._job(pending, keep)
         job.greedy = greedy
         rows = run_job(self.batch, self.member, job)
         self.chosen = job.chosen

@@ -33,7 +33,7 @@ let candidates see each other, so it is refused with :class:`UnsupportedAttentio
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,7 +42,7 @@ import torch
 from ensemble_core.decoding.cache import RoomyLayer
 from ensemble_core.decoding.forward import Job, causal_job, single_pass
 from ensemble_core.decoding.masks import MASK_HONOURING_ATTENTION, layer_types, packed_layout, packed_masks
-from ensemble_core.decoding.members import UNREAD, DecodeState, Member
+from ensemble_core.decoding.members import DecodeState, Member
 from ensemble_core.decoding.rows import delegate
 from ensemble_core.decoding.scheduler import run_job
 from ensemble_core.decoding.static import route
@@ -137,7 +137,7 @@ def cache_branch(state: DecodeState) -> Iterator[None]:
 
 
 def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | Sequence[int],
-             packed: Sequence[int] | None = None, unread: torch.Tensor | None = None) -> torch.Tensor:
+             packed: Sequence[int] | None = None) -> torch.Tensor:
     """One forward pass of ``ids`` on the state's cache (inside a branch); float32 logits rows.
 
     ``logits_to_keep``: how many last rows, or which positions (a host list). ``packed``: the
@@ -146,8 +146,7 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | Seque
     are causal after the cache. The model's own call (``direct``: alone, or the fallback)
     builds the packed masks only when it runs, so a pass that runs batched or static never
     pays for them. In a batched request the pass is shared with other requests' rows
-    (:mod:`ensemble_core.decoding.scheduler`). ``unread``: the ids on the model's device, not read by
-    the host (``ids`` then hold placeholders; :attr:`~ensemble_core.decoding.forward.Job.device_ids`).
+    (:mod:`ensemble_core.decoding.scheduler`).
     """
     t0 = time.perf_counter()
     member = state.member
@@ -159,14 +158,13 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | Seque
         # positions: the model's own call takes them as an index on its device
         wanted = logits_to_keep if isinstance(logits_to_keep, int) else to_device(keep, member.device)
         if packed is None:
-            return single_pass(member.model, unread if unread is not None else ids, cache, wanted, member.device)
+            return single_pass(member.model, ids, cache, wanted, member.device)
         mask, positions = packed_masks(state, packed)
         return single_pass(member.model, ids, cache, wanted, member.device, attention_mask=mask,
                            position_ids=positions)
 
     if packed is None:
         job = causal_job(cache, ids, keep, direct)
-        job.device_ids = unread
     else:
         positions, block = packed_layout(packed, cache.get_seq_length(), HOST)
         job = Job(cache, [int(i) for i in ids], positions, block, keep, direct)
@@ -189,26 +187,23 @@ def branch_feed(state: DecodeState, ids: Sequence[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def branch_feed_unread(state: DecodeState, token: torch.Tensor) -> torch.Tensor:
-    """Next-token logits ``[V]`` after one token the host has not read (a 0-d id on the model's device),
-    appended on a branch: a segment drafts on without waiting for its tokens (#38)."""
-    return _forward(state, [UNREAD], 1, unread=token.reshape(1))[-1]
-
-
-@torch.inference_mode()
-def branch_feed_steps(state: DecodeState, token: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``token`` (unread, on the device) then the argmax of each row after it, ``n`` passes on a branch, none
-    read: the rows after each fed token (``[n, V]``) and the argmax of each (``[n]``, the last not fed).
+def branch_feed_steps(state: DecodeState, token: torch.Tensor, n: int,
+                      choose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token`` (unread, on the device) then the argmax of each row after it (or ``choose(row)``: a draw),
+    ``n`` passes on a branch, none read: the rows after each fed token (``[n, V]``) and the id chosen from
+    each (``[n]``, the last not fed).
 
     Why (#38): a greedy segment drafts on from the raw logits without the host choosing between its
     passes; one job of ``n`` steps (:attr:`~ensemble_core.decoding.forward.Job.steps`) runs them back to
     back alone, and batched with the other requests' steps, so the request's thread waits once per
-    chunk. The same rows and ids as ``n`` calls of :func:`branch_feed_unread`, each fed the last row's argmax.
+    chunk. The same rows and ids as ``n`` calls of :func:`branch_feed`, each fed the id chosen from the last row.
     """
     job = state.unread_job(token)
-    job.steps, job.follow = n, state.unread_job
+    job.steps, job.follow, job.choose = n, state.unread_job, choose
     rows = _submit(state, job, n, time.perf_counter())
-    return rows, job.step_ids if job.step_ids is not None else rows[-1].argmax()[None]
+    if job.step_ids is not None:
+        return rows, job.step_ids
+    return rows, (choose(rows[-1]) if choose is not None else rows[-1].argmax()).reshape(1)
 
 
 # ----------------------------------------------------------------------------- scoring
