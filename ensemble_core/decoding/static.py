@@ -137,6 +137,23 @@ class SlotLength:
         self.epoch = 0
 
 
+class _LayerLength:
+    """A :class:`SlotLayer`'s ``_kn`` or ``_vn``: its cache's shared length while it reads it, else its own
+    (``own``); setting it makes it the layer's own."""
+
+    def __init__(self, own: str) -> None:
+        self.own = own
+
+    def __get__(self, layer: Any, owner: Any = None) -> Any:
+        if layer is None:
+            return self
+        return layer._length.n if layer._shared() else getattr(layer, self.own)
+
+    def __set__(self, layer: Any, n: int | None) -> None:
+        layer._leave()
+        setattr(layer, self.own, n)
+
+
 class SlotLayer(RoomyLayer):
     """A cache layer whose states are a prefix of a slot's buffer (every layer type: windows are in the masks).
 
@@ -173,23 +190,8 @@ class SlotLayer(RoomyLayer):
             self._epoch = -1
             self._length.shared = False
 
-    @property  # type: ignore[override]
-    def _kn(self) -> int | None:
-        return self._length.n if self._shared() else self._own_kn  # type: ignore[union-attr]
-
-    @_kn.setter
-    def _kn(self, n: int | None) -> None:
-        self._leave()
-        self._own_kn = n
-
-    @property  # type: ignore[override]
-    def _vn(self) -> int | None:
-        return self._length.n if self._shared() else self._own_vn  # type: ignore[union-attr]
-
-    @_vn.setter
-    def _vn(self, n: int | None) -> None:
-        self._leave()
-        self._own_vn = n
+    _kn = _LayerLength("_own_kn")  # type: ignore[assignment]
+    _vn = _LayerLength("_own_vn")  # type: ignore[assignment]
 
 
 @dataclass(eq=False)
