@@ -289,7 +289,7 @@ class DecodeState:
             raise InputError(f"score_steps needs a number of steps >= 1, got {n!r}.")
         self.chosen = None
         pending = self.ids[self.cached:]
-        first: list[torch.Tensor] = []  # the cached row and its argmax, when nothing is pending
+        first: list[torch.Tensor] = []  # the cached row and the id chosen from it, when nothing is pending
         unread = None
         if not pending:
             last = self._last_row
