@@ -670,3 +670,21 @@ def test_a_job_of_several_steps_feeds_each_rows_choice_on(llama: Member) -> None
             assert torch.allclose(a.score([loop_ids[-1]])[-1], b.score([loop_ids[-1]])[-1], atol=1e-5)
     with pytest.raises(InputError, match="steps"):
         a.score_steps(0)
+
+
+def test_a_failing_draw_fails_its_own_job_of_several_steps_only(llama: Member) -> None:
+    """A job's own choice that raises (a sampled draw) ends that job with the error, never with a result that
+    passes for fewer steps; the other jobs of the pass run their steps to the end. Alone, the request raises."""
+    def bad(row: torch.Tensor) -> torch.Tensor:
+        raise ValueError("no draw")
+
+    a, b = (llama.start_from_ids(random_ids(8, 9 + i)) for i in range(2))
+    jobs = [a._job(a.ids[a.cached:], 1), b._job(b.ids[b.cached:], 1)]
+    for job, state, choose in zip(jobs, (a, b), (bad, None)):
+        job.steps, job.follow, job.choose = 4, state.unread_job, choose
+    forward.run_steps(jobs, forward._passes_alone)
+    assert isinstance(jobs[0].error, ValueError) and jobs[0].step_ids is None
+    assert jobs[1].error is None and jobs[1].step_ids is not None and jobs[1].result.shape == (4, llama.vocab_size)
+    lone = llama.start_from_ids(random_ids(8, 11))
+    with pytest.raises(ValueError, match="no draw"):
+        lone.score_steps(4, bad)

@@ -177,6 +177,21 @@ def run_steps(jobs: Sequence[Job], run_group: Callable[[list[Job]], None]) -> No
     run_group(list(jobs))
     going = [_Steps(job, job, [], []) for job in jobs if job.steps > 1]
     every = list(going)
+    try:
+        _step_on(going, run_group)
+    except BaseException as exc:  # a job cut short must not pass for one of a single step
+        for chain in every:
+            if chain.origin.error is None and len(chain.rows) < chain.origin.steps:
+                chain.origin.error = exc if isinstance(exc, Exception) else RuntimeError("The steps were interrupted.")
+        raise
+    for chain in every:
+        if chain.origin.error is None and len(chain.rows) == chain.origin.steps:
+            chain.origin.result = torch.stack(chain.rows)
+            chain.origin.step_ids = torch.cat(chain.ids)
+
+
+def _step_on(going: list[_Steps], run_group: Callable[[list[Job]], None]) -> None:
+    """:func:`run_steps`' loop: choose every chain's next id, run the next passes of those still going."""
     while going:
         live = []
         for chain in going:
@@ -190,8 +205,10 @@ def run_steps(jobs: Sequence[Job], run_group: Callable[[list[Job]], None]) -> No
         chosen = _choices(live, lasts)
         going = []
         for i, chain in enumerate(live):
+            if chosen[i] is None:  # its own choice failed (the error is the job's)
+                continue
             chain.rows.append(lasts[i])
-            chain.ids.append(chosen[i])
+            chain.ids.append(chosen[i])  # type: ignore[arg-type]
             if len(chain.rows) == chain.origin.steps:
                 continue
             try:
@@ -203,15 +220,11 @@ def run_steps(jobs: Sequence[Job], run_group: Callable[[list[Job]], None]) -> No
             going.append(chain)
         if going:
             run_group([chain.last for chain in going])
-    for chain in every:
-        if chain.origin.error is None and len(chain.rows) == chain.origin.steps:
-            chain.origin.result = torch.stack(chain.rows)
-            chain.origin.step_ids = torch.cat(chain.ids)
 
 
-def _choices(chains: Sequence[_Steps], rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _choices(chains: Sequence[_Steps], rows: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """Each chain's next id (``[1]``, on the device) from its last row: the argmax, in one op for every greedy
-    chain, or the chain's own :attr:`Job.choose`."""
+    chain, or the chain's own :attr:`Job.choose` (None where that raised: the error goes to the chain's job)."""
     ids: list[torch.Tensor | None] = [None] * len(chains)
     greedy = [i for i, chain in enumerate(chains) if chain.origin.choose is None]
     if len(greedy) > 1:
@@ -223,8 +236,11 @@ def _choices(chains: Sequence[_Steps], rows: Sequence[torch.Tensor]) -> list[tor
     for i, chain in enumerate(chains):
         choose = chain.origin.choose
         if choose is not None:
-            ids[i] = choose(rows[i]).reshape(1)
-    return ids  # type: ignore[return-value]
+            try:
+                ids[i] = choose(rows[i]).reshape(1)
+            except Exception as exc:  # noqa: BLE001 - one request's draw fails its request only
+                chain.origin.error = exc
+    return ids
 
 
 def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Callable[[], torch.Tensor]) -> Job:

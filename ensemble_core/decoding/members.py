@@ -308,6 +308,7 @@ class DecodeState:
         if job.step_ids is not None:
             ids = job.step_ids
         else:  # one step: a plain pass, chosen here
+            assert n == 1, "a job of several steps ends with its steps' ids or raises"
             ids = (choose(rows[-1]) if choose is not None else rows[-1].argmax()).reshape(1)
         self.ids.extend([UNREAD] * (n - 1))
         self.cached = len(self.ids)
