@@ -76,11 +76,11 @@ class Job:
     ``ids`` then hold placeholders of the same length, and every pass that builds its inputs on the
     host copies these over them on the device (:func:`place_device_ids`). ``greedy``: the requester
     chooses the argmax of its last kept row; a batched pass then reads it for every such job at once
-    (:func:`greedy_choices`) into ``chosen`` (None: the requester takes it itself). ``steps`` > 1: the job
-    asks for that many passes, each after the first fed the argmax of the pass before it, on the device
-    (:func:`run_steps`; ``follow`` builds the next pass's job from that id; ``choose``, when set, chooses it
-    instead of the argmax: a sampled draw); its result is then the kept row of every pass (``[steps, V]``)
-    and ``step_ids`` the ids chosen from them (``[steps]``, on the device, unread).
+    (:func:`greedy_choices`) into ``chosen`` (None: the requester takes it itself). A job of steps
+    (``follow`` set: it builds the next pass's job from an id) asks for ``steps`` passes, each after the
+    first fed the argmax of the pass before it, on the device (:func:`run_steps`; ``choose``, when set,
+    chooses it instead of the argmax: a sampled draw); its result is then the kept row of every pass
+    (``[steps, V]``) and ``step_ids`` the ids chosen from them (``[steps]``, on the device, unread).
     """
 
     cache: Any
@@ -134,7 +134,7 @@ def run_pass(job: Job) -> torch.Tensor:
 
 def run_alone(job: Job) -> torch.Tensor:
     """``job``'s own unbatched passes (all its steps): its result."""
-    if job.steps <= 1:
+    if job.follow is None:
         return run_pass(job)
     run_steps([job], _passes_alone)
     if job.error is not None:
@@ -163,11 +163,11 @@ class _Steps:
 
 def run_steps(jobs: Sequence[Job], run_group: Callable[[list[Job]], None]) -> None:
     """Run ``jobs`` (``run_group`` runs one pass of the jobs it is given, setting each one's ``result`` or
-    ``error``), then every job of several :attr:`Job.steps` on: the argmax of its last kept row (one op for
+    ``error``), then every job of steps (one with a :attr:`Job.follow`) on: the argmax of its last kept row (one op for
     every greedy job going; a job's own :attr:`Job.choose` else, a draw) is fed by its next pass
     (:attr:`Job.follow`), on the device, the jobs still going in one pass, until each has run its steps.
-    A job of several steps ends with the kept row of each of its passes as its ``result`` (``[steps, V]``)
-    and the ids chosen from them as ``step_ids``.
+    A job of steps ends with the kept row of each of its passes as its ``result`` (``[steps, V]``) and the
+    ids chosen from them as ``step_ids`` (one step too: its row's choice is made here, like the others).
 
     Why (#38; vLLM's multi-step scheduling): a request that decodes greedily from the raw logits needs
     nothing from the host between its passes, so its thread waits once per ``steps`` tokens, not once
@@ -175,7 +175,7 @@ def run_steps(jobs: Sequence[Job], run_group: Callable[[list[Job]], None]) -> No
     them: the host's work per step is the pass's own and one argmax over the rows going on.
     """
     run_group(list(jobs))
-    going = [_Steps(job, job, [], []) for job in jobs if job.steps > 1]
+    going = [_Steps(job, job, [], []) for job in jobs if job.follow is not None]
     every = list(going)
     try:
         _step_on(going, run_group)
@@ -227,20 +227,27 @@ def _choices(chains: Sequence[_Steps], rows: Sequence[torch.Tensor]) -> list[tor
     chain, or the chain's own :attr:`Job.choose` (None where that raised: the error goes to the chain's job)."""
     ids: list[torch.Tensor | None] = [None] * len(chains)
     greedy = [i for i, chain in enumerate(chains) if chain.origin.choose is None]
-    if len(greedy) > 1:
-        picked = torch.stack([rows[i] for i in greedy]).argmax(-1)
+    if greedy:
+        picked = argmaxes([rows[i] for i in greedy])
         for j, i in enumerate(greedy):
             ids[i] = picked[j:j + 1]
-    elif greedy:
-        ids[greedy[0]] = rows[greedy[0]].argmax()[None]
     for i, chain in enumerate(chains):
-        choose = chain.origin.choose
-        if choose is not None:
+        if chain.origin.choose is not None:
             try:
-                ids[i] = choose(rows[i]).reshape(1)
+                ids[i] = choice(rows[i], chain.origin.choose)
             except Exception as exc:  # noqa: BLE001 - one request's draw fails its request only
                 chain.origin.error = exc
     return ids
+
+
+def argmaxes(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each ``[V]`` row's argmax (the first of equal maxima), ``[len(rows)]`` where the rows are: one op for all."""
+    return rows[0].argmax()[None] if len(rows) == 1 else torch.stack(list(rows)).argmax(-1)
+
+
+def choice(row: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The id chosen from a ``[V]`` logits row, ``[1]`` where the row is, not read: its argmax, or ``choose(row)``."""
+    return (row.argmax() if choose is None else choose(row)).reshape(1)
 
 
 def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Callable[[], torch.Tensor]) -> Job:
@@ -267,8 +274,7 @@ def greedy_choices(jobs: Sequence[Job], results: Sequence[torch.Tensor]) -> None
     wanted = [i for i, job in enumerate(jobs) if job.greedy]
     if not wanted or (results[wanted[0]].device.type == "cpu" and not CHOOSE_ON_HOST):
         return
-    last = [results[i][-1] for i in wanted]
-    ids = (last[0].argmax()[None] if len(last) == 1 else torch.stack(last).argmax(-1)).tolist()
+    ids = argmaxes([results[i][-1] for i in wanted]).tolist()
     for i, token in zip(wanted, ids):
         jobs[i].chosen = int(token)
 

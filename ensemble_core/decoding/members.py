@@ -19,7 +19,7 @@ import torch
 
 from ensemble_core.constraints.structured import StructuredRequest, with_instructions
 from ensemble_core.decoding.cache import can_crop_exactly, crop, new_cache
-from ensemble_core.decoding.forward import Job, causal_job, single_pass
+from ensemble_core.decoding.forward import Job, causal_job, choice, single_pass
 from ensemble_core.decoding.scheduler import Binding, current, run_job
 from ensemble_core.decoding.static import StaticCache, StaticPasses, route
 from ensemble_core.errors import (
@@ -295,7 +295,7 @@ class DecodeState:
             last = self._last_row
             if last is None:
                 raise InputError(f"Member {self.member.name!r} has no context to score from.")
-            unread = (choose(last) if choose is not None else last.argmax()).reshape(1)
+            unread = choice(last, choose)
             if n == 1:
                 return last[None], unread
             first, n = [last, unread], n - 1
@@ -305,11 +305,8 @@ class DecodeState:
         job = self._job(pending, 1, unread)
         job.steps, job.follow, job.choose = n, self.unread_job, choose
         rows = run_job(self.batch, self.member, job)
-        if job.step_ids is not None:
-            ids = job.step_ids
-        else:  # one step: a plain pass, chosen here
-            assert n == 1, "a job of several steps ends with its steps' ids or raises"
-            ids = (choose(rows[-1]) if choose is not None else rows[-1].argmax()).reshape(1)
+        ids = job.step_ids
+        assert ids is not None, "a job of steps ends with its steps' ids or raises"
         self.ids.extend([UNREAD] * (n - 1))
         self.cached = len(self.ids)
         self._fed_since_crop += len(pending) + n - 1

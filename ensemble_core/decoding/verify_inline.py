@@ -201,9 +201,8 @@ def branch_feed_steps(state: DecodeState, token: torch.Tensor, n: int,
     job = state.unread_job(token)
     job.steps, job.follow, job.choose = n, state.unread_job, choose
     rows = _submit(state, job, n, time.perf_counter())
-    if job.step_ids is not None:
-        return rows, job.step_ids
-    return rows, (choose(rows[-1]) if choose is not None else rows[-1].argmax()).reshape(1)
+    assert job.step_ids is not None, "a job of steps ends with its steps' ids or raises"
+    return rows, job.step_ids
 
 
 # ----------------------------------------------------------------------------- scoring
