@@ -38,10 +38,13 @@ def test_notebooks_exist_and_are_stripped() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_executes(name: str, tmp_path: Path) -> None:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    env_keep = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    os.environ.update({k: os.environ.get(k, v) for k, v in env_keep.items()})
+    # The kernel is a process of its own beside the suite's other worker: one intra-op thread, as
+    # tests/conftest.py gives the workers (torch's default of one per core left two OpenMP pools spinning on
+    # 2 cores: quickstart took 178 s next to a busy core instead of 36 s).
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **os.environ,
+           "OMP_NUM_THREADS": os.environ.get("ENSEMBLE_TEST_THREADS", "1")}
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+    client.execute(env=env)
     texts = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "stream"]
     assert any(t.strip() for t in texts), f"{name} printed nothing"
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
