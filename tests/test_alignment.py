@@ -107,3 +107,28 @@ def test_incremental_decoder_never_emits_partial_characters(tok) -> None:
             assert suffix == text[t.ends[k - 1]:]
         else:
             assert text.endswith(suffix) and len(suffix) > len(text) - t.ends[k - 1]
+
+
+def test_decode_is_the_tokenizers_own_decode(tok) -> None:
+    """The backend fast path gives transformers' text: special tokens dropped, nothing cleaned up,
+    a character cut in two left as U+FFFD, ids at the vocabulary's ends included."""
+    ids = [i for text in ADVERSARIAL for i in tok(text, add_special_tokens=False)["input_ids"]]
+    special = [i for i in tok.all_special_ids if i is not None]
+    windows = [ids[a:a + n] for n in (1, 2, 3, 7) for a in range(0, len(ids) - n, 5)]
+    windows += [special + ids[:6], ids[:4] + special, [0, len(tok) - 1], []]
+    for window in windows:
+        assert decode(tok, window) == tok.decode(window, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_decode_keeps_a_subclass_own_decoding() -> None:
+    """A tokenizer class that changes ``decode`` is decoded its own way, not through the backend."""
+    base = bundled_tokenizer("smollm2-135m-instruct")
+
+    class Shouting(type(base)):  # type: ignore[misc]
+        def decode(self, token_ids, **kwargs):  # type: ignore[no-untyped-def]
+            return super().decode(token_ids, **kwargs).upper()
+
+    loud = Shouting.__new__(Shouting)
+    loud.__dict__.update(base.__dict__)
+    ids = base("Hello there", add_special_tokens=False)["input_ids"]
+    assert decode(loud, ids) == "HELLO THERE"
