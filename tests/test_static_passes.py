@@ -450,6 +450,7 @@ def test_static_passes_move_one_shared_length_and_layers_moved_otherwise_rejoin_
     both([13])
     state.cache.layers[0].crop(-1)  # a layer moved on its own: the others keep the shared length as their own
     assert not cache.length.shared and cache.layers[0].get_seq_length() == 9 and cache.layers[1].get_seq_length() == 10
+    assert cache.get_seq_length() == 9 and cache.get_seq_length(1) == 10  # transformers' per-layer answer again
     cache.layers[0].keys = cache.layers[0]._k[:, :, :10]  # back in step: the next pass shares it again
     cache.layers[0].values = cache.layers[0]._v[:, :, :10]
     per_layer.clear()

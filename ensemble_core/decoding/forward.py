@@ -252,7 +252,7 @@ def choice(row: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor] | N
 
 def causal_job(cache: Any, ids: Sequence[int], keep: Sequence[int], direct: Callable[[], torch.Tensor]) -> Job:
     """A job for ids appended after everything in ``cache`` (ordinary incremental decoding)."""
-    return Job(cache, [int(i) for i in ids], None, None, list(keep), direct, start=int(cache.get_seq_length()))
+    return Job(cache, list(map(int, ids)), None, None, list(keep), direct, start=int(cache.get_seq_length()))
 
 
 #: Whether a batched pass on the CPU chooses its greedy rows' tokens too (:func:`greedy_choices`); off: measured

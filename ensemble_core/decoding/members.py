@@ -240,7 +240,7 @@ class DecodeState:
         into :attr:`chosen` (None otherwise: the caller takes it).
         """
         self.chosen = None
-        self.ids.extend(int(i) for i in new_ids)
+        self.ids.extend(map(int, new_ids))
         pending = self.ids[self.cached:]
         want = len(new_ids) + 1
         if not pending:
@@ -262,7 +262,7 @@ class DecodeState:
         position only (``score`` keeps a row per new id and puts the cached row before them: on a GPU a copy
         and a concatenation per step, only to be dropped, #38)."""
         self.chosen = None
-        self.ids.extend(int(i) for i in new_ids)
+        self.ids.extend(map(int, new_ids))
         pending = self.ids[self.cached:]
         if not pending:
             assert self._last_row is not None
@@ -343,7 +343,7 @@ class DecodeState:
         """The values of unread ids, read at last: ``ids`` are this state's ids from position ``start`` on."""
         if any(i != UNREAD for i in self.ids[start:start + len(ids)]):
             raise InputError(f"Member {self.member.name!r}: settle() only fills unread ids.")
-        self.ids[start:start + len(ids)] = [int(i) for i in ids]
+        self.ids[start:start + len(ids)] = list(map(int, ids))
 
     def _job(self, pending: list[int], keep: int, unread: torch.Tensor | None = None) -> Job:
         """The forward pass of ``pending`` on this state's cache, keeping the last ``keep`` rows (``unread``: the
@@ -388,4 +388,4 @@ class DecodeState:
 
     def extend(self, new_ids: Sequence[int]) -> None:
         """Append ids without running the model (they are fed on the next :meth:`score`)."""
-        self.ids.extend(int(i) for i in new_ids)
+        self.ids.extend(map(int, new_ids))

@@ -336,6 +336,13 @@ class StaticCache(DynamicCache):
             self._share(held.pop())  # type: ignore[arg-type]
         return True
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """transformers' length of layer ``layer_idx``: the shared one, read at once, while the layers share it
+        (a pass asks it twice per request and step)."""
+        if self.length.shared:
+            return self.length.n
+        return super().get_seq_length(layer_idx)
+
     def advance(self, length: int) -> None:
         """Every layer now holds ``length`` states of its slot (a static pass wrote them there)."""
         if self.length.shared:

@@ -167,7 +167,7 @@ def _forward(state: DecodeState, ids: Sequence[int], logits_to_keep: int | Seque
         job = causal_job(cache, ids, keep, direct)
     else:
         positions, block = packed_layout(packed, cache.get_seq_length(), HOST)
-        job = Job(cache, [int(i) for i in ids], positions, block, keep, direct)
+        job = Job(cache, list(map(int, ids)), positions, block, keep, direct)
     return _submit(state, route(job), len(ids), t0)
 
 
