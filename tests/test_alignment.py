@@ -132,3 +132,32 @@ def test_decode_keeps_a_subclass_own_decoding() -> None:
     loud.__dict__.update(base.__dict__)
     ids = base("Hello there", add_special_tokens=False)["input_ids"]
     assert decode(loud, ids) == "HELLO THERE"
+
+
+def test_tokenize_is_the_tokenizers_own_encoding(tok) -> None:
+    """The backend fast path gives transformers' ids and offsets, special-token text included."""
+    from ensemble_core.text import alignment
+
+    assert alignment._backend_encoder(tok) is tok.backend_tokenizer  # the bundled tokenizers take the fast path
+    eos = tok.convert_ids_to_tokens(tok.eos_token_id)
+    for text in [*ADVERSARIAL, f"one{eos}two", ""]:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        got = tokenize(tok, text, offset=3)
+        assert list(got.ids) == enc["input_ids"]
+        assert [(s - 3, e - 3) for s, e in zip(got.starts, got.ends)] == [tuple(s) for s in enc["offset_mapping"]]
+
+
+def test_tokenize_takes_transformers_call_when_the_backend_is_set_otherwise() -> None:
+    """A backend left truncating (or splitting special tokens unlike its tokenizer) is not asked directly:
+    the result is transformers' call, which sets the backend per call."""
+    import copy
+
+    tok = copy.deepcopy(bundled_tokenizer("smollm2-135m-instruct"))
+    text = ADVERSARIAL[2]
+    full = tok(text, add_special_tokens=False)["input_ids"]
+    tok.backend_tokenizer.enable_truncation(3)
+    assert list(tokenize(tok, text).ids) == full and len(full) > 3
+    eos = tok.convert_ids_to_tokens(tok.eos_token_id)
+    tok.backend_tokenizer.encode_special_tokens = True  # the tokenizer says: keep special tokens whole
+    assert tokenize(tok, f"a{eos}b").ids == tuple(tok(f"a{eos}b", add_special_tokens=False)["input_ids"])
+    assert tok.eos_token_id in tokenize(tok, f"a{eos}b").ids
