@@ -9,10 +9,12 @@ concurrent through ``Ensemble.batch``. Prints one JSON line per level: ms per ou
 median of ``runs``), tokens, md5 of the texts (the preset row chooses the same token everywhere: equal
 trees give equal texts). On a CPU the vocabulary-wide ops (argmax, the kept rows' float copy) are
 real work that a GPU does in a kernel; the op count per token (tests/test_static_passes.py) is the
-device-independent figure. Compare code trees interleaved:
+device-independent figure. ``safe`` as the second argument times SAFE instead, with the published drafting
+(CUDA's defaults) on two SmolLM2 members whose preset rows agree (every draft accepted), alone and 16
+concurrent, best of three. Compare code trees interleaved:
 
-    for i in 1 2 3; do PYTHONPATH=OLD python docs/results/host/host_per_token.py before; \\
-                       PYTHONPATH=NEW python docs/results/host/host_per_token.py after; done
+    for i in 1 2 3; do PYTHONPATH=OLD python docs/results/host/host_per_token.py before [safe]; \\
+                       PYTHONPATH=NEW python docs/results/host/host_per_token.py after [safe]; done
 """
 
 from __future__ import annotations
@@ -54,14 +56,22 @@ def preset_passes(member: Member) -> None:
     static._forward = forward  # type: ignore[method-assign]
 
 
-def main(label: str, runs: int = 5) -> None:
+def main(label: str, method: str = "single") -> None:
     torch.set_num_threads(2)
     member = Member.load("smollm2-135m-instruct", passes="static")
     preset_passes(member)
     prompts = [cot_prompt(p.question) for p in load_dataset("gsm8k", max(LEVELS))]
-    ensemble = Ensemble([member], method="single", max_new_tokens=TOKENS)
+    if method == "safe":
+        verifier = Member.load("smollm2-135m-instruct", passes="static")  # a second model: its own slots
+        preset_passes(verifier)
+        ensemble = Ensemble([member, verifier], method="safe", max_new_tokens=TOKENS, draft_confidence=0.0,
+                            prompt_lookup=0)
+        levels, runs = (1, 16), 3
+    else:
+        ensemble = Ensemble([member], method="single", max_new_tokens=TOKENS)
+        levels, runs = LEVELS, 5
     ensemble.batch(prompts[:2])  # warm-up
-    for n in LEVELS:
+    for n in levels:
         times, texts = [], ""
         for _ in range(runs):
             start = time.perf_counter()
@@ -70,10 +80,10 @@ def main(label: str, runs: int = 5) -> None:
             tokens = sum(r.stats.tokens for r in results)
             times.append(wall / tokens * 1e3)
             texts = "".join(r.text for r in results)
-        print(json.dumps({"tree": label, "requests": n, "best_ms_per_token": round(min(times), 3),
+        print(json.dumps({"tree": label, "method": method, "requests": n, "best_ms_per_token": round(min(times), 3),
                           "median_ms_per_token": round(statistics.median(times), 3), "tokens": tokens,
                           "md5": hashlib.md5(texts.encode()).hexdigest()[:10]}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "this tree")
+    main(sys.argv[1] if len(sys.argv) > 1 else "this tree", *sys.argv[2:3])
