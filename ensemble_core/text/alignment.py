@@ -20,7 +20,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 #: One decoding convention everywhere: text round-trips and no special tokens leak.
@@ -41,7 +40,7 @@ def decode(tokenizer: Any, ids: Sequence[int]) -> str:
     wrapper's argument checks, ~5 us of a decode's ~7 on a short window, and decodes run a few
     times per output token (the token pipeline's and SAFE's texts; #38's host work per token).
     """
-    if _backend_decodes(type(tokenizer)):
+    if not DECODE_KWARGS["clean_up_tokenization_spaces"] and _keeps_backend(type(tokenizer), "decode", "_decode"):
         return tokenizer.backend_tokenizer.decode(list(ids), skip_special_tokens=DECODE_KWARGS["skip_special_tokens"])
     return tokenizer.decode(list(ids), **DECODE_KWARGS)
 
@@ -55,7 +54,7 @@ def _backend_encoder(tokenizer: Any) -> Any | None:
     the backend is as that call leaves it: no truncation, no padding, special tokens split as the
     tokenizer says (transformers sets these on the backend per call; anything else takes the full call).
     """
-    if not _backend_encodes(type(tokenizer)):
+    if not _keeps_backend(type(tokenizer), "__call__", "_encode_plus"):
         return None
     backend = tokenizer.backend_tokenizer
     if (backend.truncation is not None or backend.padding is not None
@@ -65,19 +64,10 @@ def _backend_encoder(tokenizer: Any) -> Any | None:
 
 
 @functools.cache
-def _backend_encodes(kind: type) -> bool:
-    """Whether tokenizers of class ``kind`` encode a text as their Rust backend does (transformers' fast
-    tokenizers unless a subclass changes the call or ``_encode_plus``)."""
-    return (issubclass(kind, TokenizersBackend) and kind.__call__ is PreTrainedTokenizerBase.__call__
-            and kind._encode_plus is TokenizersBackend._encode_plus)
-
-
-@functools.cache
-def _backend_decodes(kind: type) -> bool:
-    """Whether tokenizers of class ``kind`` decode as their Rust backend does (transformers' fast
-    tokenizers unless a subclass changes ``decode`` or ``_decode``)."""
-    return (issubclass(kind, TokenizersBackend) and kind.decode is PreTrainedTokenizerBase.decode
-            and kind._decode is TokenizersBackend._decode)
+def _keeps_backend(kind: type, *methods: str) -> bool:
+    """Whether ``kind`` is a transformers fast tokenizer class that keeps transformers' own ``methods``
+    (a subclass that changes them encodes or decodes its own way, so its backend alone would not do)."""
+    return issubclass(kind, TokenizersBackend) and all(getattr(kind, m) is getattr(TokenizersBackend, m) for m in methods)
 
 
 @dataclass(frozen=True)
