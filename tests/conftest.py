@@ -6,14 +6,15 @@
 * ``tiny_llama`` / ``tiny_gemma`` / ``tiny_qwen``: random-weight members built from transformers
   configs with the *real* tokenizers, for fast tests of everything that does not need real weights.
 
-Under ``./dev test`` (pytest-xdist, ``--dist loadgroup``) each file runs whole in one process,
-and the files that load the real Qwen2.5-Coder member (:data:`QWEN_FILES`) share one
-process: the trio takes ~9 GB there (weights and their prepacked copies), and two processes
-holding it next to the Ray and notebook tests' own processes ran a 24 GB machine out of memory.
-The Ray and notebook files (:data:`OWN_PROCESS_FILES`) also share one xdist process, so that
-their model-holding child processes (Ray actors, notebook kernels) never run at the same
-time: next to the Qwen process they did, and Ray's memory monitor killed the actors at 95 %
-of 23.5 GB (full suite, 2026-12-04: six test_ray failures, none when run apart).
+Under ``./dev test`` (pytest-xdist, ``--dist loadgroup``) each file runs whole in one process
+(:func:`pytest_xdist_make_scheduler`: the groups are :func:`group_of`, the longest first), and the
+files that load the real Qwen2.5-Coder member (:data:`QWEN_FILES`) share one process: the trio takes
+~9 GB there (weights and their prepacked copies), and two processes holding it next to the Ray and
+notebook tests' own processes ran a 24 GB machine out of memory. The Ray and notebook files
+(:data:`OWN_PROCESS_FILES`) also share one xdist process, so that their model-holding child processes
+(Ray actors, notebook kernels) never run at the same time: next to the Qwen process they did, and
+Ray's memory monitor killed the actors at 95 % of 23.5 GB (full suite, 2026-12-04: six test_ray
+failures, none when run apart).
 """
 
 from __future__ import annotations
@@ -38,13 +39,46 @@ QWEN_FILES = ("test_qwen_real.py", "test_trio_real.py", "test_agents.py", "test_
 OWN_PROCESS_FILES = ("test_ray.py", "test_notebooks.py")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group tests for ``--dist loadgroup``: by file (a file's models load once), the Qwen files together,
-    the files with model-holding child processes together."""
-    for item in items:
-        name = item.path.name
-        group = "qwen-real" if name in QWEN_FILES else "child-processes" if name in OWN_PROCESS_FILES else name
-        item.add_marker(pytest.mark.xdist_group(group))
+#: Groups that take the most of a worker's time (a full run: ~690 s and ~530 s of ~2900 s): they start first,
+#: one per worker, and the short files fill in after them (long jobs first, as one schedules unequal jobs
+#: on two machines), so that neither worker is left alone with a long group at the end.
+LONG_GROUPS = ("qwen-real", "child-processes")
+
+
+def group_of(nodeid: str) -> str:
+    """The group a test runs in under ``--dist loadgroup``: its file, or the shared group of its file."""
+    filename = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return "qwen-real" if filename in QWEN_FILES else "child-processes" if filename in OWN_PROCESS_FILES else filename
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under ``--dist loadgroup``, xdist's scheduler of whole scopes with :func:`group_of` as the scope.
+
+    Why not ``xdist_group`` marks: xdist 3.8 passes a mark's group by appending ``@group`` to the node id,
+    which pytest 9.2's structured node ids ignore, so every mark was lost and files were split test by test
+    over both workers (pytest-dev/pytest-xdist#1386). A scheduler that names its own scopes needs no mark.
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        """Whole groups per worker, the long groups first (xdist would otherwise order them by test count)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+        def _assign_work_unit(self, node: object) -> None:
+            # Reorder the queue of groups, not the collections: a worker runs tests by their index in
+            # the collection it sent, so those must stay as collected.
+            for group in reversed(LONG_GROUPS):
+                if group in self.workqueue:
+                    self.workqueue.move_to_end(group, last=False)
+            super()._assign_work_unit(node)
+
+    config.option.loadscopereorder = False
+    return FileGroupScheduling(config, log)
 
 
 def free_cached_models() -> None:
