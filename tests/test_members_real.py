@@ -69,3 +69,22 @@ def test_gemma_crop_past_sliding_window(gemma3: Member) -> None:
     again = state.response_ids + greedy_decode(state, len(got) - len(state.response_ids))
     assert again == got
     assert state.stats.reprefills == 0  # the crop stayed within what past recording keeps
+
+
+def test_clearing_unreferenced_models_keeps_the_held_ones_shared(smollm2: Member) -> None:
+    """``clear_loaded(unreferenced_only=True)`` forgets a model nothing holds (its memory goes) and keeps a held
+    one cached, so that loading it again shares it instead of making a second copy."""
+    import gc
+    import weakref
+
+    from ensemble_core.models.loading import clear_loaded
+
+    spare = Member.load("smollm2-135m-instruct", dtype="bfloat16")  # its own cache entry (another dtype)
+    spare_model = weakref.ref(spare.model)
+    assert Member.load("smollm2-135m-instruct", dtype="bfloat16").model is spare.model  # cached while held
+    del spare
+    gc.collect()
+    assert spare_model() is not None  # the cache alone still holds it
+    clear_loaded(unreferenced_only=True)
+    assert spare_model() is None  # freed
+    assert Member.load("smollm2-135m-instruct").model is smollm2.model  # the held one is still shared

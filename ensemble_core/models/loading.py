@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import difflib
 import functools
+import gc
 import os
 import platform
 import re
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,8 +310,22 @@ def load_objects(spec: MemberSpec) -> tuple[Any, Any]:
         return _LOADED[key]
 
 
-def clear_loaded() -> None:
-    """Forget every model loaded in this process (frees memory once unreferenced)."""
+def clear_loaded(unreferenced_only: bool = False) -> None:
+    """Forget the models loaded in this process (their memory is freed once nothing else holds them).
+
+    ``unreferenced_only``: forget only the models nothing else holds (a member, an ensemble). A model still
+    in use stays cached: forgetting it frees nothing, and the next load of it would make a second copy
+    instead of sharing the first.
+    """
     with _LOAD_LOCK:
+        if not unreferenced_only:
+            _LOADED.clear()
+            return
+        held = {key: (weakref.ref(model), tokenizer) for key, (model, tokenizer) in _LOADED.items()}
         _LOADED.clear()
+        gc.collect()  # a model's modules refer to each other: only a collection frees an unheld one
+        for key, (model_ref, tokenizer) in held.items():
+            model = model_ref()
+            if model is not None:
+                _LOADED[key] = (model, tokenizer)
 

@@ -251,7 +251,7 @@ def shared_ensemble(members: Sequence[Any] | None, method: str, method_config: M
 
 
 def clear_shared() -> None:
-    """Forget every cached ensemble (loaded weights stay: see ``members.clear_loaded``)."""
+    """Forget every cached ensemble (loaded weights stay: see ``models.loading.clear_loaded``)."""
     with _REGISTRY_LOCK:
         _ENSEMBLES.clear()
 
