@@ -103,9 +103,10 @@ def free_cached_models() -> None:
         pass
 
 
-#: A test process that holds more than this much of its own memory (not counting mapped weight files) frees
-#: the models cached for earlier files before its next file: a full run had 21.5 of 23.5 GB in use near its
-#: end, where one process still held the Qwen trio from the first group it ran.
+#: A test process that holds more than this much of its own memory (not counting mapped weight files) frees,
+#: before its next file, the models earlier files loaded that nothing holds any more (the session fixtures'
+#: members stay): the Qwen group's process held 8-10 GB after it, and a full run had 20.6-21.5 of 23.5 GB in
+#: use at its peak.
 CACHE_LIMIT_BYTES = 6 * 2**30
 
 

@@ -18,7 +18,7 @@ from conftest import group_of
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Three files, of which only plain-Python tests run (no model is built: the nested processes stay small
-#: next to the suite's; a tiny member made one of them hold ~3 GB in a full run).
+#: and quick next to the suite's own).
 FILES = ("tests/test_lookup.py", "tests/test_datasets.py", "tests/test_tool_parsers.py")
 ONLY_PLAIN = "not scripted and not generate_and_stream and not reports_schema_breaking"
 
