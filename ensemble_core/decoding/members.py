@@ -20,6 +20,7 @@ import torch
 from ensemble_core.constraints.structured import StructuredRequest, with_instructions
 from ensemble_core.decoding.cache import can_crop_exactly, crop, new_cache
 from ensemble_core.decoding.forward import Job, causal_job, choice, single_pass
+from ensemble_core.decoding.prefix_cache import PrefixCache
 from ensemble_core.decoding.scheduler import Binding, current, run_job
 from ensemble_core.decoding.static import StaticCache, StaticPasses, route
 from ensemble_core.errors import (
@@ -27,7 +28,7 @@ from ensemble_core.errors import (
     PromptTooLongError,
 )
 from ensemble_core.models.bundled import BUNDLED
-from ensemble_core.models.loading import MemberSpec, check_passes, load_objects
+from ensemble_core.models.loading import DEFAULT_PREFIX_CACHE, MemberSpec, check_passes, check_prefix_cache, load_objects
 from ensemble_core.text import alignment
 from ensemble_core.text.chat import (
     FALLBACK_STOPS,
@@ -44,7 +45,8 @@ class Member:
 
     def __init__(self, model: Any, tokenizer: Any, name: str | None = None,
                  chat_template: str | None = None, stop_strings: Sequence[str] | None = None,
-                 passes: str = "eager", max_cache_len: int | None = None) -> None:
+                 passes: str = "eager", max_cache_len: int | None = None,
+                 prefix_cache: int = DEFAULT_PREFIX_CACHE) -> None:
         if model is None or tokenizer is None:
             raise InputError("A member needs both a model and a tokenizer.")
         if not hasattr(model, "config") or not callable(model):
@@ -63,6 +65,10 @@ class Member:
         self.static: StaticPasses | None = None
         if check_passes(passes) != "eager":
             self.static = StaticPasses(model, passes, max_cache_len)
+        #: Its recent prompts' KV states, reused by requests that start the same way (None: off, or static
+        #: passes, whose slots are not restored from it yet; :mod:`~ensemble_core.decoding.prefix_cache`).
+        self.prefix_cache: PrefixCache | None = (
+            PrefixCache(prefix_cache) if check_prefix_cache(prefix_cache) and self.static is None else None)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -72,7 +78,7 @@ class Member:
         model, tokenizer = load_objects(spec)
         name = spec.name or (str(spec.source) if spec.source in BUNDLED else Path(str(spec.source)).name or str(spec.source))
         return cls(model, tokenizer, name=name, chat_template=spec.chat_template, passes=spec.passes,
-                   max_cache_len=spec.max_cache_len)
+                   max_cache_len=spec.max_cache_len, prefix_cache=spec.prefix_cache)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -185,6 +191,7 @@ class DecodeStats:
     reprefills: int = 0
     static_passes: int = 0  # passes run on the member's static slot (:mod:`~ensemble_core.decoding.static`)
     graph_replays: int = 0  # of those, replayed CUDA graphs
+    prefix_reused: int = 0  # prompt tokens whose states came from the member's prefix cache (not fed)
 
 
 #: The placeholder of an id appended on the device and not read yet (:meth:`DecodeState.score_steps`).
@@ -204,9 +211,12 @@ class DecodeState:
         self.ids: list[int] = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.stats = DecodeStats()
-        self.cache = self._static_cache() or new_cache(member.model)
-        self.cached = 0
-        self._fed_since_crop = 0
+        static = self._static_cache()
+        self.cache, self.cached = (static, 0) if static is not None else self._fresh_cache(self.prompt_len - 1)
+        self.stats.prefix_reused = self.cached
+        #: whether the prompt's states are in the member's prefix cache (or need not be)
+        self._prompt_stored = member.prefix_cache is None
+        self._fed_since_crop = self.cached
         self._last_row: torch.Tensor | None = None
         #: the argmax of the last row of the last :meth:`score` with ``greedy``, when a batched pass read it
         self.chosen: int | None = None
@@ -221,6 +231,20 @@ class DecodeState:
         if cache is not None:
             cache.stats = self.stats
         return cache
+
+    def _fresh_cache(self, limit: int) -> tuple[Any, int]:
+        """An eager cache for this state's ids and how many of them it holds: the longest prefix of the first
+        ``limit`` ids that the member's prefix cache has, or none (an empty cache)."""
+        store = self.member.prefix_cache
+        restored = store.restore(self.member.model, self.ids, limit) if store is not None else None
+        return restored if restored is not None else (new_cache(self.member.model), 0)
+
+    def _store_prompt(self) -> None:
+        """Keep the prompt's states in the member's prefix cache, once a pass has computed them all."""
+        if not self._prompt_stored and self.cached >= self.prompt_len:
+            self._prompt_stored = True
+            assert self.member.prefix_cache is not None
+            self.member.prefix_cache.store(self.ids[:self.prompt_len], self.cache)
 
     @property
     def response_ids(self) -> list[int]:
@@ -314,6 +338,7 @@ class DecodeState:
         self.stats.forward_passes += n
         self.stats.tokens_fed += len(pending) + n - 1
         self.stats.seconds += time.perf_counter() - t0
+        self._store_prompt()
         if first:
             return torch.cat([first[0][None], rows]), torch.cat([first[1], ids])
         return rows, ids
@@ -337,6 +362,7 @@ class DecodeState:
         self.stats.forward_passes += 1
         self.stats.tokens_fed += len(pending)
         self.stats.seconds += time.perf_counter() - t0
+        self._store_prompt()
         return rows
 
     def settle(self, start: int, ids: Sequence[int]) -> None:
@@ -378,12 +404,11 @@ class DecodeState:
         remove = self.cached - (n - 1)
         if can_crop_exactly(self.cache, remove, self._fed_since_crop):
             crop(self.cache, remove)
-            self.cached = n - 1
-        else:  # sliding window already dropped the states we need: rebuild from scratch
-            self.cache = new_cache(self.member.model)
-            self.cached = 0
+            self.cached, self._fed_since_crop = n - 1, 0
+        else:  # sliding window already dropped the states we need: rebuild (from the stored prompt, if kept)
+            self.cache, self.cached = self._fresh_cache(n - 1)
+            self._fed_since_crop = self.cached
             self.stats.reprefills += 1
-        self._fed_since_crop = 0
         self._last_row = None
 
     def extend(self, new_ids: Sequence[int]) -> None:

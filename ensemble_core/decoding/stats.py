@@ -51,12 +51,13 @@ class MemberStats:
     wins: int | None = None
     static_passes: int = 0  # passes run on a static slot (``passes="static"``/``"graphs"``)
     graph_replays: int = 0  # of those, replayed CUDA graphs
+    prefix_reused: int = 0  # prompt tokens restored from the member's prefix cache instead of fed
 
     @classmethod
     def of(cls, state: DecodeState, role: str) -> MemberStats:
         s = state.stats
         return cls(state.member.name, role, s.forward_passes, s.tokens_fed, round(s.seconds, 4), s.reprefills,
-                   static_passes=s.static_passes, graph_replays=s.graph_replays)
+                   static_passes=s.static_passes, graph_replays=s.graph_replays, prefix_reused=s.prefix_reused)
 
 
 @dataclass(eq=False)

@@ -40,6 +40,12 @@ from ensemble_core.options import check_bool
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+#: Tokens of recent prompts a member keeps the KV states of (:attr:`MemberSpec.prefix_cache`): a few agent
+#: conversations' worth (their prompts are ~400-800 tokens with tools); per token a float32 SmolLM2-135M holds
+#: 46 KB, Qwen2.5-0.5B 25 KB, a bfloat16 7-8B member 57-131 KB.
+DEFAULT_PREFIX_CACHE = 4096
+
+
 @dataclass(frozen=True)
 class MemberSpec:
     """How to load one member.
@@ -60,6 +66,9 @@ class MemberSpec:
     member's forward passes run: ``"eager"`` (default), ``"static"`` (fixed shapes over a
     preallocated KV slot of ``max_cache_len`` tokens) or ``"graphs"`` (static, replayed as CUDA
     graphs; experimental until measured on a GPU). See :mod:`ensemble_core.decoding.static`.
+    ``prefix_cache``: how many tokens of its recent prompts' KV states an eager member keeps, so that a
+    request that starts like one of them (an agent's next turn, a chat's next message) prefills only
+    what is new (0: none; see :mod:`ensemble_core.decoding.prefix_cache`).
     """
 
     source: str
@@ -74,6 +83,7 @@ class MemberSpec:
     prepack: bool | None = None
     passes: str = "eager"
     max_cache_len: int | None = None
+    prefix_cache: int = DEFAULT_PREFIX_CACHE
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, (str, os.PathLike)) or not str(self.source).strip():
@@ -93,6 +103,14 @@ class MemberSpec:
         if self.max_cache_len is not None and (isinstance(self.max_cache_len, bool)
                                                or not isinstance(self.max_cache_len, int) or self.max_cache_len < 64):
             raise InvalidOptionError("max_cache_len", self.max_cache_len, "None or an int >= 64 (tokens per slot)")
+        check_prefix_cache(self.prefix_cache)
+
+
+def check_prefix_cache(tokens: Any) -> int:
+    """``tokens`` when it is a valid :attr:`MemberSpec.prefix_cache` budget (an int >= 0), else a typed error."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise InvalidOptionError("prefix_cache", tokens, "an int >= 0 (tokens of recent prompts kept per member; 0: off)")
+    return tokens
 
 
 #: How a member's forward passes run (:mod:`ensemble_core.decoding.static`).
