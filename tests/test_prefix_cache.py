@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ensemble_core import Ensemble, Member, MemberSpec
+from ensemble_core.constraints.structured import StructuredRequest
 from ensemble_core.decoding.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.testing import greedy_decode, random_ids, reference_greedy, reference_last_row, tiny_member
@@ -27,6 +28,11 @@ def gemma() -> Member:
     """Gemma-3-shaped with a sliding window of 8 (five sliding layers, then a full one), so that short prompts
     already pass the window."""
     return tiny_member("gemma3-270m", seed=0, initializer_range=0.2, sliding_window=8, layers=6)
+
+
+TOOL = {"name": "multiply", "description": "Multiply two numbers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                       "required": ["a", "b"]}}
 
 
 def uncached(member: Member) -> Member:
@@ -131,6 +137,21 @@ def test_a_conversations_next_turn_reuses_it_and_decodes_the_same(method: str, l
     assert again.text == plain.generate(turn).text
     reused = [s.prefix_reused for s in again.stats.members]
     assert all(n >= MIN_REUSE for n in reused), reused
+
+
+@pytest.mark.parametrize("alias", ["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma3-270m"])
+def test_an_agents_call_after_a_tool_result_starts_with_its_previous_prompt(alias: str) -> None:
+    """With the real tokenizers and chat formats: the answer instructions after a tool result come after the
+    conversation, so the second call's prompt starts with the whole first one (a prefix cache skips it). They
+    used to join the first system message: Qwen's second prompt then shared 3 tokens with its first."""
+    member = tiny_member(alias)
+    request = StructuredRequest(tools=(TOOL,), choice="auto")
+    first = [{"role": "user", "content": "What is 6 times 7?"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}
+    second = [*first, {"role": "assistant", "content": "", "tool_calls": [call]},
+              {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    a, b = (member.prompt_ids(member.messages(m, request), request) for m in (first, second))
+    assert len(b) > len(a) and common_prefix(a, b) == len(a)
 
 
 # ----------------------------------------------------------------------------- real members

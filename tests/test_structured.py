@@ -84,9 +84,12 @@ def test_with_a_schema_the_instructions_ask_for_the_answer_as_its_value() -> Non
                {"role": "assistant", "content": "", "tool_calls": [
                    {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}]},
                {"role": "tool", "tool_call_id": "c1", "content": "42"}]
-    free = with_instructions(history, structured_request(TOOLS), native_tools=False)[0]["content"]
+    free = with_instructions(history, structured_request(TOOLS), native_tools=False)
     valued = with_instructions(history, structured_request(TOOLS, None, SCHEMA), native_tools=False)[0]["content"]
-    assert ANSWER_INSTRUCTIONS in free and NO_TOOL_TEXT in free and "plain text" not in valued
+    # the answer instructions come after the conversation (the call before it started with the same messages)
+    assert free[-1] == {"role": "system", "content": ANSWER_INSTRUCTIONS} and free[1:-1] == history
+    assert NO_TOOL_TEXT in free[0]["content"] and ANSWER_INSTRUCTIONS not in free[0]["content"]
+    assert "plain text" not in valued
     assert VALUE_ANSWER_INSTRUCTIONS in valued and NO_TOOL_VALUE in valued and '"city"' in valued
     assert valued.index(VALUE_ANSWER_INSTRUCTIONS) < valued.index("of this form")  # "described below"
 

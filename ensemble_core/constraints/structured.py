@@ -206,25 +206,33 @@ def schema_instructions(schema: dict[str, Any]) -> str:
 
 
 def with_instructions(messages: list[dict[str, Any]], request: StructuredRequest, native_tools: bool) -> list[dict[str, Any]]:
-    """``messages`` with the request's instructions added to the (first) system message.
+    """``messages`` with the request's instructions: in the (first) system message, and after the conversation.
 
     Members whose template does not render tools get :func:`tool_instructions`; in ``auto``
     mode with tool results in the history every member gets :data:`ANSWER_INSTRUCTIONS` (with a
     ``response_format``, :data:`VALUE_ANSWER_INSTRUCTIONS`: the answer is the schema's value).
+
+    :data:`ANSWER_INSTRUCTIONS` come last, as a system message after the conversation: an agent's call after
+    a tool result then starts with its previous call's prompt, which the members' prefix caches hold
+    (:mod:`~ensemble_core.decoding.prefix_cache`); at the start they replaced Qwen's default system line,
+    and its second prompt shared 3 tokens with its first. :data:`VALUE_ANSWER_INSTRUCTIONS` stay with the
+    schema's instructions they point to ("described below").
     """
-    parts = []
+    parts, last = [], []
     if request.tools and request.choice != "none" and not native_tools:
         parts.append(tool_instructions(request))
     if request.tools and request.choice == "auto" and any(m.get("role") == "tool" for m in messages):
-        parts.append(ANSWER_INSTRUCTIONS if request.schema is None else VALUE_ANSWER_INSTRUCTIONS)
+        (last if request.schema is None else parts).append(
+            ANSWER_INSTRUCTIONS if request.schema is None else VALUE_ANSWER_INSTRUCTIONS)
     if request.schema is not None and not request.forced_call:
         parts.append(schema_instructions(request.schema) if request.schema else JSON_INSTRUCTIONS)
+    after = [{"role": "system", "content": text} for text in last]
     if not parts:
-        return messages
+        return [*messages, *after] if after else messages
     text = "\n\n".join(parts)
     if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:], *after]
+    return [{"role": "system", "content": text}, *messages, *after]
 
 
 @dataclass
