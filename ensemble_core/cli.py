@@ -163,7 +163,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_throughput(ThroughputOptions(
             methods=methods, members=tuple(members), devices=tuple(args.device or ()), dtype=tuple(args.dtype),
             quantize=tuple(args.quantize or ()), prepack=prepack_flag(args.prepack), passes=args.passes,
-            concurrency=tuple(args.concurrency),
+            prefix_cache=args.prefix_cache, concurrency=tuple(args.concurrency),
             max_new_tokens=args.max_new_tokens if args.max_new_tokens != 256 else 64, dataset=args.dataset,
             data_path=args.data_path, offset=args.offset, sequential_requests=args.sequential,
             stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop, out=str(out), threads=args.threads,
@@ -177,7 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dataset=args.dataset, data_path=args.data_path, limit=args.limit, offset=args.offset, shots=args.shots,
         methods=tuple(args.methods), members=tuple(members), devices=tuple(args.device or ()), dtype=tuple(args.dtype),
         quantize=tuple(args.quantize or ()), prepack=prepack_flag(args.prepack), passes=args.passes,
-        max_new_tokens=args.max_new_tokens,
+        prefix_cache=args.prefix_cache, max_new_tokens=args.max_new_tokens,
         stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop,
         every_token_distributions=tuple(args.every_token_distributions),
         safe_drafters=tuple(args.safe_drafters) if args.safe_drafters is not None else None,

@@ -14,7 +14,7 @@ from typing import Any
 from ensemble_core.decoding.members import Member
 from ensemble_core.ensemble import DEFAULT_MEMBERS, resolve_members
 from ensemble_core.errors import InvalidOptionError
-from ensemble_core.models.loading import PASS_MODES, per_member_options
+from ensemble_core.models.loading import DEFAULT_PREFIX_CACHE, PASS_MODES, per_member_options
 from ensemble_core.models.quantize import SCHEMES
 
 
@@ -49,7 +49,7 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, dict[str, Any]]:
 def member_options(args: argparse.Namespace, count: int) -> list[dict[str, Any]]:
     """Per-member load options from ``--device``, ``--dtype``, ``--quantize`` (one for all or one each), ``--prepack``."""
     return per_member_options(count, args.dtype, args.device or (), args.quantize or (), prepack_flag(args.prepack),
-                              args.passes)
+                              args.passes, args.prefix_cache)
 
 
 def prepack_flag(value: str) -> bool | None:
@@ -70,7 +70,7 @@ def add_member_flags(p: argparse.ArgumentParser, default_members: bool = True) -
 
 
 def add_load_flags(p: argparse.ArgumentParser) -> None:
-    """``--device``, ``--dtype``, ``--quantize``, ``--prepack``, ``--passes``: how members load and run
+    """``--device``, ``--dtype``, ``--quantize``, ``--prepack``, ``--passes``, ``--prefix-cache``: how members load and run
     (read by :func:`member_options`)."""
     p.add_argument("--device", nargs="+", metavar="DEVICE", default=None,
                    help="one device for all members or one per member, e.g. --device cuda:0 cuda:1 (default cpu)")
@@ -87,4 +87,7 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
                    help="how members run their forward passes: eager (default), static (fixed shapes over a "
                         "preallocated KV slot) or graphs (static, replayed as CUDA graphs on a GPU; experimental): "
                         "docs/gpu.md")
+    p.add_argument("--prefix-cache", type=int, default=DEFAULT_PREFIX_CACHE, metavar="TOKENS",
+                   help="tokens of recent prompts whose KV states each member keeps, so that a request that starts "
+                        f"like one of them prefills only the rest (default {DEFAULT_PREFIX_CACHE}; 0: off)")
 

@@ -248,6 +248,9 @@ def test_message_token_count_equals_usage_input_tokens(chat) -> None:
     assert result.usage_metadata["input_tokens"] == chat.get_num_tokens_from_messages(messages)
     assert result.usage_metadata["output_tokens"] == chat.get_num_tokens(result.content)
     assert result.usage_metadata["total_tokens"] == result.usage_metadata["input_tokens"] + result.usage_metadata["output_tokens"]
+    # the same messages again: the members' prefix caches held all of the prompt but its last token
+    again = chat.invoke(messages).usage_metadata
+    assert again["input_token_details"]["cache_read"] == again["input_tokens"] - 1
 
 
 # ---------------------------------------------------------------- results, chunks, callbacks

@@ -8,6 +8,8 @@ past Gemma-3's 512-token sliding window. Passes and tokens are counted, never ti
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from ensemble_core import Ensemble, Member, MemberSpec
 from ensemble_core.constraints.structured import StructuredRequest
 from ensemble_core.decoding.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from ensemble_core.errors import InvalidOptionError
+from ensemble_core.flags import add_load_flags, member_options
 from ensemble_core.testing import greedy_decode, random_ids, reference_greedy, reference_last_row, tiny_member
 
 
@@ -117,6 +120,15 @@ def test_off_static_and_bad_budgets() -> None:
             MemberSpec("smollm2-135m-instruct", prefix_cache=bad)
         with pytest.raises(InvalidOptionError, match="prefix_cache"):
             Member(member.model, member.tokenizer, prefix_cache=bad)
+
+
+def test_the_prefix_cache_flag_reaches_every_members_load_options() -> None:
+    parser = argparse.ArgumentParser()
+    add_load_flags(parser)
+    assert [o.get("prefix_cache") for o in member_options(parser.parse_args(["--prefix-cache", "0"]), 2)] == [0, 0]
+    assert all("prefix_cache" not in o for o in member_options(parser.parse_args([]), 2))  # the spec's default
+    with pytest.raises(InvalidOptionError, match="prefix_cache"):
+        member_options(parser.parse_args(["--prefix-cache", "-1"]), 1)
 
 
 @pytest.mark.parametrize("method", ["single", "safe", "specem"])

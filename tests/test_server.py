@@ -219,6 +219,8 @@ def test_completions_are_one_user_message(client: openai.OpenAI) -> None:
                                              max_tokens=MAX_TOKENS)
     assert completion.choices[0].text == as_chat.choices[0].message.content
     assert completion.usage.prompt_tokens == as_chat.usage.prompt_tokens
+    # the same prompt again: the members' prefix caches held all of it but its last token (OpenAI's field)
+    assert as_chat.usage.prompt_tokens_details.cached_tokens == as_chat.usage.prompt_tokens - 1
     chunks = list(client.completions.create(model=TINY_NAME, prompt=[prompt], max_tokens=MAX_TOKENS, stream=True,
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == completion.choices[0].text

@@ -28,7 +28,7 @@ from ensemble_core.constraints.structured import (
     parse_output,
     structured_request,
 )
-from ensemble_core.decoding.members import Member
+from ensemble_core.decoding.members import DecodeState, Member
 from ensemble_core.decoding.scheduler import Batcher, BatchingConfig, Binding, bound
 from ensemble_core.decoding.stats import RequestStats
 from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
@@ -159,6 +159,9 @@ class GenerationResult:
     stats: RequestStats = field(default_factory=lambda: RequestStats("method"))
     #: The reply read as tool calls / a JSON value, for requests with tools or a response format.
     structured: StructuredOutput | None = None
+    #: Of ``prompt_tokens``, those whose states came from the primary member's prefix cache (OpenAI's
+    #: ``usage.prompt_tokens_details.cached_tokens``; :mod:`~ensemble_core.decoding.prefix_cache`).
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -244,11 +247,21 @@ class EnsembleMethod(ABC, Generic[C]):
     def primary(self) -> Member:
         return self.members[0]
 
-    def prompt_tokens(self, request: Any) -> int:
-        """Prompt length in the primary member's tokens (a request keeps one ``MemberView`` per member
+    def primary_state(self, request: Any) -> DecodeState | None:
+        """The primary member's decoding state in ``request`` (a request keeps one ``MemberView`` per member
         in ``views``; override when the primary is not the first member)."""
         views = getattr(request, "views", None)
-        return views[0].state.prompt_len if views else 0
+        return views[0].state if views else None
+
+    def prompt_tokens(self, request: Any) -> int:
+        """Prompt length in the primary member's tokens."""
+        state = self.primary_state(request)
+        return state.prompt_len if state is not None else 0
+
+    def cached_tokens(self, request: Any) -> int:
+        """Of :meth:`prompt_tokens`, those the primary member read from its prefix cache."""
+        state = self.primary_state(request)
+        return state.stats.prefix_reused if state is not None else 0
 
     # ------------------------------------------------------------ shared loop
     def stop_strings(self, config: GenerationConfig) -> tuple[str, ...]:
@@ -388,6 +401,7 @@ class GenerationStream:
             text=text,
             finish_reason=finish,
             prompt_tokens=method.prompt_tokens(request),
+            cached_tokens=method.cached_tokens(request),
             completion_tokens=method.primary.count_tokens(text) if text else 0,
             seconds=time.perf_counter() - t0,
             time_to_first_chunk=first,

@@ -61,7 +61,7 @@ import torch
 from ensemble_core.decoding.drafting import draft_tokens
 from ensemble_core.decoding.generation import Chunk, EnsembleMethod, GenerationConfig
 from ensemble_core.decoding.lookup import guesses_now
-from ensemble_core.decoding.members import Member
+from ensemble_core.decoding.members import DecodeState, Member
 from ensemble_core.decoding.rows import window_probs
 from ensemble_core.decoding.stats import MemberStats, SafeStats
 from ensemble_core.decoding.view import MemberView, start_views
@@ -274,8 +274,8 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
         """The drafter: max_new_tokens and completion tokens count its tokens."""
         return self.members[self.drafter_index(self.config)]
 
-    def prompt_tokens(self, request: SafeRequest) -> int:
-        return request.views[request.drafter].state.prompt_len
+    def primary_state(self, request: SafeRequest) -> DecodeState:
+        return request.views[request.drafter].state
 
     def fusion(self, name: str, top_k: int, sub_tokens: str = "shared") -> Distribution:
         """The fusion rule (kept per method: its token tables and union vocabulary are reused)."""

@@ -126,13 +126,13 @@ def check_passes(mode: Any) -> str:
 
 def per_member_options(count: int, dtype: Any = "auto", devices: Sequence[str] = (),
                        quantize: Sequence[str | None] = (), prepack: bool | None = None,
-                       passes: str = "eager") -> list[dict[str, Any]]:
+                       passes: str = "eager", prefix_cache: int = DEFAULT_PREFIX_CACHE) -> list[dict[str, Any]]:
     """Load options of ``count`` members from command-line style lists (one value for all, or one per member).
 
     ``dtype`` is one value or a list (``["float32", "bfloat16"]``: a float32 drafter next to
     a bfloat16 verifier). ``quantize`` values are ``"int8"`` or ``"none"``/None. ``prepack``
     is one value for all (None: when it fits; False: ``--no-prepack``, one copy of the weights), and so
-    is ``passes`` (``--passes``: eager, static or graphs). Shared by
+    is ``passes`` (``--passes``: eager, static or graphs) and ``prefix_cache`` (``--prefix-cache``). Shared by
     ``ensemble`` and ``ensemble bench`` so that both read their flags the same way.
     """
     def pick(values: Sequence[Any], flag: str, i: int) -> Any:
@@ -148,6 +148,8 @@ def per_member_options(count: int, dtype: Any = "auto", devices: Sequence[str] =
             opts["prepack"] = prepack
         if check_passes(passes) != "eager":
             opts["passes"] = passes
+        if check_prefix_cache(prefix_cache) != DEFAULT_PREFIX_CACHE:
+            opts["prefix_cache"] = prefix_cache
         if devices:
             opts["device"] = pick(devices, "--device", i)
         if quantize:

@@ -177,10 +177,11 @@ def config_fields(ensemble: Ensemble) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(ensemble.config))
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
-    """Token usage in OpenAI's key names (counted with the method's primary member's tokenizer)."""
+def usage(result: GenerationResult) -> dict[str, Any]:
+    """Token usage in OpenAI's key names (counted with the method's primary member's tokenizer), with the
+    prompt tokens read from the primary member's prefix cache (``prompt_tokens_details.cached_tokens``)."""
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.total_tokens}
+            "total_tokens": result.total_tokens, "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 def result_info(result: GenerationResult, ensemble: Ensemble) -> dict[str, Any]:
@@ -336,6 +337,7 @@ def answered(first: GenerationResult, answer: GenerationResult) -> GenerationRes
                                       parse_error=value.parse_error if value else None, repeated_tool_calls=repeated)
     return dataclasses.replace(
         answer, prompt_tokens=first.prompt_tokens + answer.prompt_tokens,
+        cached_tokens=first.cached_tokens + answer.cached_tokens,
         completion_tokens=first.completion_tokens + answer.completion_tokens, seconds=first.seconds + answer.seconds,
         structured=structured)
 

@@ -76,10 +76,11 @@ def split_model(model: str) -> list[str]:
     return parts
 
 
-def usage_metadata(result: GenerationResult) -> dict[str, int]:
-    """LangChain ``UsageMetadata``; counted with the method's primary member's tokenizer."""
+def usage_metadata(result: GenerationResult) -> dict[str, Any]:
+    """LangChain ``UsageMetadata``; counted with the method's primary member's tokenizer (``cache_read``: the
+    prompt tokens read from its prefix cache)."""
     return {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens,
-            "total_tokens": result.total_tokens}
+            "total_tokens": result.total_tokens, "input_token_details": {"cache_read": result.cached_tokens}}
 
 
 def response_metadata(result: GenerationResult, ensemble: Ensemble, model_name: str) -> dict[str, Any]:
