@@ -27,7 +27,15 @@ from ensemble_core import demo as _demo
 from ensemble_core.bench.datasets import DATASETS
 from ensemble_core.ensemble import DEFAULT_MEMBERS, Ensemble
 from ensemble_core.errors import EnsembleError, InputError, InvalidOptionError
-from ensemble_core.flags import add_load_flags, add_member_flags, load_members, parse_sets, parse_value, prepack_flag
+from ensemble_core.flags import (
+    TIMED_PREFIX_CACHE,
+    add_load_flags,
+    add_member_flags,
+    load_members,
+    parse_sets,
+    parse_value,
+    prepack_flag,
+)
 from ensemble_core.methods import METHODS, method_class
 from ensemble_core.server.cli import add_serve_parser
 
@@ -204,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "then one streamed ensemble answer")
     p.add_argument("--members", nargs="+", metavar="MEMBER", default=None,
                    help=f"members to compare (default: {' '.join(DEMO_MEMBERS)}, the bundled pair that can do arithmetic)")
-    add_load_flags(p)
+    add_load_flags(p, TIMED_PREFIX_CACHE)
     p.add_argument("--quick", action="store_true", help="one question only (the first of the table's set), no extra stream")
     p.add_argument("--questions", type=_positive_int, default=None,
                    help=f"how many of the arith set's first questions the table asks (default {DEMO_CPU_QUESTIONS}, "
@@ -237,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="benchmark methods on a dataset (interleaved per question)")
-    add_member_flags(p)
+    add_member_flags(p, prefix_cache=TIMED_PREFIX_CACHE)
     p.add_argument("--dataset", default="gsm8k", choices=sorted(DATASETS))
     p.add_argument("--data-path", default=None, help="GSM8K test.jsonl to read instead of the vendored copy")
     p.add_argument("--limit", type=int, default=20)

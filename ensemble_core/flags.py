@@ -46,6 +46,12 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+#: The prefix cache of members whose runs are timed against each other (``ensemble demo``, ``ensemble bench``):
+#: off, because rows share their members, and a row that runs a prompt after another would find it prefilled
+#: (and the benchmark's ``single`` rows run transformers' ``generate``, which has no such cache).
+TIMED_PREFIX_CACHE = 0
+
+
 def member_options(args: argparse.Namespace, count: int) -> list[dict[str, Any]]:
     """Per-member load options from ``--device``, ``--dtype``, ``--quantize`` (one for all or one each), ``--prepack``."""
     return per_member_options(count, args.dtype, args.device or (), args.quantize or (), prepack_flag(args.prepack),
@@ -62,16 +68,18 @@ def load_members(args: argparse.Namespace) -> list[Member]:
     return [resolve_members([name], **opts)[0] for name, opts in zip(names, member_options(args, len(names)))]
 
 
-def add_member_flags(p: argparse.ArgumentParser, default_members: bool = True) -> None:
+def add_member_flags(p: argparse.ArgumentParser, default_members: bool = True,
+                     prefix_cache: int = DEFAULT_PREFIX_CACHE) -> None:
     p.add_argument("--members", nargs="+", metavar="MEMBER", default=None,
                    help="aliases, local directories, .gguf files or Hugging Face ids "
                         f"(default: {' '.join(DEFAULT_MEMBERS)})")
-    add_load_flags(p)
+    add_load_flags(p, prefix_cache)
 
 
-def add_load_flags(p: argparse.ArgumentParser) -> None:
+def add_load_flags(p: argparse.ArgumentParser, prefix_cache: int = DEFAULT_PREFIX_CACHE) -> None:
     """``--device``, ``--dtype``, ``--quantize``, ``--prepack``, ``--passes``, ``--prefix-cache``: how members load and run
-    (read by :func:`member_options`)."""
+    (read by :func:`member_options`). ``prefix_cache``: the flag's default (0 where runs are timed against each
+    other: :data:`TIMED_PREFIX_CACHE`)."""
     p.add_argument("--device", nargs="+", metavar="DEVICE", default=None,
                    help="one device for all members or one per member, e.g. --device cuda:0 cuda:1 (default cpu)")
     p.add_argument("--dtype", nargs="+", default=["auto"], choices=["auto", "float32", "float16", "bfloat16"],
@@ -87,7 +95,7 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
                    help="how members run their forward passes: eager (default), static (fixed shapes over a "
                         "preallocated KV slot) or graphs (static, replayed as CUDA graphs on a GPU; experimental): "
                         "docs/gpu.md")
-    p.add_argument("--prefix-cache", type=int, default=DEFAULT_PREFIX_CACHE, metavar="TOKENS",
+    p.add_argument("--prefix-cache", type=int, default=prefix_cache, metavar="TOKENS",
                    help="tokens of recent prompts whose KV states each member keeps, so that a request that starts "
-                        f"like one of them prefills only the rest (default {DEFAULT_PREFIX_CACHE}; 0: off)")
+                        f"like one of them prefills only the rest (default {prefix_cache}; 0: off)")
 

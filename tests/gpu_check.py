@@ -89,7 +89,9 @@ def build(name: str, tokenizers: Path, device: str, dtype: torch.dtype, dry: boo
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval().requires_grad_(False)
-    return Member(model, tokenizer, name=name)
+    # no prefix cache: the methods are timed against each other on the same prompts, and the second to run one
+    # would find it prefilled (flags.TIMED_PREFIX_CACHE)
+    return Member(model, tokenizer, name=name, prefix_cache=0)
 
 
 def sync() -> None:

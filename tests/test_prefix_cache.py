@@ -14,10 +14,13 @@ import pytest
 import torch
 
 from ensemble_core import Ensemble, Member, MemberSpec
+from ensemble_core.bench import BenchOptions
+from ensemble_core.bench.throughput import ThroughputOptions
+from ensemble_core.cli import build_parser
 from ensemble_core.constraints.structured import StructuredRequest
 from ensemble_core.decoding.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from ensemble_core.errors import InvalidOptionError
-from ensemble_core.flags import add_load_flags, member_options
+from ensemble_core.flags import TIMED_PREFIX_CACHE, add_load_flags, member_options
 from ensemble_core.testing import greedy_decode, random_ids, reference_greedy, reference_last_row, tiny_member
 
 
@@ -129,6 +132,14 @@ def test_the_prefix_cache_flag_reaches_every_members_load_options() -> None:
     assert all("prefix_cache" not in o for o in member_options(parser.parse_args([]), 2))  # the spec's default
     with pytest.raises(InvalidOptionError, match="prefix_cache"):
         member_options(parser.parse_args(["--prefix-cache", "-1"]), 1)
+    # the commands that time rows of shared members against each other run without it unless asked
+    cli = build_parser()
+    for argv in (["demo"], ["bench"], ["generate", "--prompt", "x"]):
+        got = member_options(cli.parse_args(argv), 1)[0].get("prefix_cache")
+        assert got == (None if argv[0] == "generate" else TIMED_PREFIX_CACHE), argv
+    assert TIMED_PREFIX_CACHE == 0
+    assert member_options(cli.parse_args(["bench", "--prefix-cache", "512"]), 1)[0]["prefix_cache"] == 512
+    assert BenchOptions().prefix_cache == ThroughputOptions().prefix_cache == 0
 
 
 @pytest.mark.parametrize("method", ["single", "safe", "specem"])

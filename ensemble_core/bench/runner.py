@@ -29,7 +29,7 @@ from ensemble_core.decoding.stats import MemberStats, RequestStats
 from ensemble_core.ensemble import DEFAULT_MEMBERS, Ensemble, resolve_members
 from ensemble_core.errors import ConfigurationError, EnsembleError, InvalidOptionError
 from ensemble_core.methods import METHODS, config_fields, method_class
-from ensemble_core.models.loading import DEFAULT_PREFIX_CACHE, per_member_options
+from ensemble_core.models.loading import per_member_options
 from ensemble_core.text.alignment import decode
 
 ALL_METHODS = tuple(METHODS)
@@ -52,7 +52,9 @@ class BenchOptions:
     quantize: tuple[str | None, ...] = ()  # one scheme for all members or one per member ("none" / "int8")
     prepack: bool | None = None  # a prepacked copy of float32 CPU weights (None: when it fits; products.py)
     passes: str = "eager"  # how members run their passes: eager, static or graphs (decoding/static.py)
-    prefix_cache: int = DEFAULT_PREFIX_CACHE  # tokens of recent prompts' KV states per member (0: off)
+    #: tokens of recent prompts' KV states per member: off, because the rows share their members and would find
+    #: each other's prompts prefilled (``flags.TIMED_PREFIX_CACHE``)
+    prefix_cache: int = 0
     max_new_tokens: int = 256
     #: Same for every method: a base model answering through the fallback transcript goes on
     #: to invent the next "Question:" after answering; its answer is then not the last number.

@@ -52,7 +52,7 @@ from ensemble_core.decoding.scheduler import BatchingConfig
 from ensemble_core.ensemble import Ensemble, resolve_members
 from ensemble_core.errors import EnsembleError, InvalidOptionError
 from ensemble_core.methods import METHODS, method_class
-from ensemble_core.models.loading import DEFAULT_PREFIX_CACHE, MemberSpec, per_member_options
+from ensemble_core.models.loading import MemberSpec, per_member_options
 from ensemble_core.models.products import is_prepacked
 from ensemble_core.options import check_int, is_int
 
@@ -72,7 +72,7 @@ class ThroughputOptions:
     quantize: tuple[str | None, ...] = ()
     prepack: bool | None = None
     passes: str = "eager"  # eager, static or graphs (decoding/static.py)
-    prefix_cache: int = DEFAULT_PREFIX_CACHE  # tokens of recent prompts' KV states per member (0: off)
+    prefix_cache: int = 0  # tokens of recent prompts' KV states per member: off, as in the benchmark (runner.py)
     concurrency: tuple[int, ...] = (1, 4, 8, 16)
     max_new_tokens: int = 64
     dataset: str = "gsm8k"
