@@ -63,7 +63,7 @@ TOOL_INSTRUCTIONS = (
 #: Added for every member (its template renders tools or not) once tool results are in the history of an
 #: ``auto`` request: the bundled members' failure mode in agents is calling again instead of answering.
 ANSWER_INSTRUCTIONS = ("Tool results are in the conversation above. If they answer the question, reply in plain "
-                       "text with the answer; do not call a tool again for a result you already have.")
+                       "text, a full sentence with the answer; do not call a tool again for a result you already have.")
 #: :data:`ANSWER_INSTRUCTIONS` where a ``response_format`` asks for the answer as a JSON value ("plain text" would
 #: contradict the schema's instruction that follows).
 VALUE_ANSWER_INSTRUCTIONS = ("Tool results are in the conversation above. If they answer the question, reply with "
