@@ -117,7 +117,8 @@ def scripted(replies: list[str]) -> Member:
         return text
 
     base = tiny_member("smollm2-135m-instruct", seed=1)
-    return Member(ScriptedLM(base.model, base.tokenizer, reply), base.tokenizer, name="scripted-tools")
+    return Member(ScriptedLM(base.model, base.tokenizer, reply), base.tokenizer, name="scripted-tools",
+                  prefix_cache=0)  # ScriptedLM tells requests apart by an empty cache
 
 
 # ----------------------------------------------------------------------------- 20 + 20 prompts

@@ -330,7 +330,8 @@ def test_tool_choice_none_masks_the_tokens_that_start_call_shaped_text() -> None
 def scripted_member(alias: str, reply: Any, name: str) -> Member:
     base = tiny_member(alias, seed=1)
     replies = reply if callable(reply) else (lambda prompt: reply)
-    return Member(ScriptedLM(base.model, base.tokenizer, replies), base.tokenizer, name=name)
+    return Member(ScriptedLM(base.model, base.tokenizer, replies), base.tokenizer, name=name,
+                  prefix_cache=0)  # ScriptedLM tells requests apart by an empty cache
 
 
 BAD = '{"name": "multiply", "arguments": {"a": "six", "b": 7, "c": 1}}'  # breaks the schema twice

@@ -53,6 +53,9 @@ class ScriptedLM(torch.nn.Module):
     replaced by a one-hot on the scripted token for each position. The full id sequence
     is tracked from the cache length, as the core only feeds the uncached tail; the reply
     starts after the last assistant header (the first pass may also feed prompt-lookup guesses).
+    A new request is one whose first pass finds the cache empty, so its members run without the
+    prefix cache (``Member(..., prefix_cache=0)``): a restored prompt would look like the last request's
+    continuation.
     """
 
     def __init__(self, inner: Any, tokenizer: Any, reply: Callable[[str], str]) -> None:
@@ -123,7 +126,8 @@ def react_script(prompt: str) -> str:
 @pytest.fixture(scope="module")
 def scripted_member() -> Member:
     base = tiny_member("smollm2-135m-instruct", seed=1)
-    return Member(ScriptedLM(base.model, base.tokenizer, react_script), base.tokenizer, name="scripted-react")
+    return Member(ScriptedLM(base.model, base.tokenizer, react_script), base.tokenizer, name="scripted-react",
+                  prefix_cache=0)  # ScriptedLM tells requests apart by an empty cache
 
 
 @pytest.mark.parametrize("streaming", [True, False])

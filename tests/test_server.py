@@ -499,7 +499,8 @@ def test_calls_in_any_format_and_invalid_calls_in_process() -> None:
     hot = '{"name": "multiply", "arguments": {"x": "hot"}}'
     script = iter([fenced, hot, fenced, hot, hot])
     base = tiny_member("smollm2-135m-instruct", seed=1)
-    member = Member(ScriptedLM(base.model, base.tokenizer, lambda prompt: next(script)), base.tokenizer, name="scripted")
+    member = Member(ScriptedLM(base.model, base.tokenizer, lambda prompt: next(script)), base.tokenizer, name="scripted",
+                    prefix_cache=0)  # ScriptedLM tells requests apart by an empty cache
     tools = [{"type": "function", "function": {"name": "multiply", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
     with TestClient(create_app(ensemble=Ensemble([member], method="single", max_new_tokens=64))) as tc:

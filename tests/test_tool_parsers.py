@@ -338,7 +338,8 @@ def scripted_ensemble() -> Any:
         return text
 
     base = tiny_member("smollm2-135m-instruct", seed=1)
-    member = Member(ScriptedLM(base.model, base.tokenizer, reply), base.tokenizer, name="scripted-parsers")
+    member = Member(ScriptedLM(base.model, base.tokenizer, reply), base.tokenizer, name="scripted-parsers",
+                    prefix_cache=0)  # ScriptedLM tells requests apart by an empty cache
     # free decoding: what the parser and the schema check do with calls as written (under the default lazy
     # grammar a started call always matches its schema: tests/test_lazy_grammar.py)
     return Ensemble([member], method="single", max_new_tokens=64, lazy_tool_grammar=False)

@@ -53,6 +53,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "generate-then-select": {"members": [QWEN, SMOL], "method": "generate-then-select"},
     # SAFE on the SmolLM2 + Gemma-3 pair (``--configs safe-smol-gemma``)
     "safe-smol-gemma": {"members": [SMOL, GEMMA], "method": "safe"},
+    # without the members' prefix caches (``--configs safe safe-no-prefix-cache``: what the cache saves, in one
+    # interleaved run; the members load their weights once, each configuration keeps its own caches)
+    "safe-no-prefix-cache": {"members": [QWEN, SMOL], "method": "safe", "member_options": {"prefix_cache": 0}},
+    "single-no-prefix-cache": {"members": [QWEN], "method": "single", "member_options": {"prefix_cache": 0}},
 }
 #: What a plain run compares (docs/agents.md's main table).
 DEFAULT_CONFIGS = ("safe", "single")
@@ -341,7 +345,8 @@ def _run_graph(framework: str, build: Callable[..., Any], task: Task, config: di
     from langgraph.errors import GraphRecursionError
 
     run = Run(framework, "", task.id)
-    chat = ChatEnsemble(members=config["members"], method=config["method"], max_tokens=max_tokens)
+    chat = ChatEnsemble(members=config["members"], method=config["method"], max_tokens=max_tokens,
+                        member_options=config.get("member_options", {}))
     tools = [StructuredTool.from_function(TOOLS[n]) for n in task.toolbox()]
     agent = build(chat, tools)
     limit = 10 if task.two_step else 8
@@ -379,7 +384,8 @@ async def _llamaindex(task: Task, config: dict[str, Any], max_tokens: int) -> Ru
     from llama_index.llms.ensemble.messages import INVALID_CALL
 
     run = Run("llamaindex", "", task.id)
-    llm = EnsembleLLM(members=config["members"], method=config["method"], max_new_tokens=max_tokens)
+    llm = EnsembleLLM(members=config["members"], method=config["method"], max_new_tokens=max_tokens,
+                      member_options=config.get("member_options", {}))
     agent = FunctionAgent(tools=[FunctionTool.from_defaults(TOOLS[n]) for n in task.toolbox()], llm=llm)
     try:
         handler = agent.run(task.question, max_iterations=6 if task.two_step else 4)
