@@ -210,9 +210,10 @@ def transfers(device: str) -> dict:
 
 
 def twin(member: Member, passes: str) -> Member:
-    """The same weights and tokenizer with its passes run ``passes`` (``ensemble_core.decoding.static``)."""
+    """The same weights and tokenizer with its passes run ``passes`` (``ensemble_core.decoding.static``), no
+    prefix cache (as :func:`build`'s members: a check that starts the same prompt twice compares full prefills)."""
     return Member(member.model, member.tokenizer, name=f"{member.name}-{passes}", passes=passes,
-                  max_cache_len=SLOT_TOKENS)
+                  max_cache_len=SLOT_TOKENS, prefix_cache=0)
 
 
 def environment() -> dict:

@@ -19,6 +19,7 @@ from ensemble_core.bench.throughput import ThroughputOptions
 from ensemble_core.cli import build_parser
 from ensemble_core.constraints.structured import StructuredRequest
 from ensemble_core.decoding.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
+from ensemble_core.decoding.static import StaticCache
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.flags import TIMED_PREFIX_CACHE, add_load_flags, member_options
 from ensemble_core.testing import greedy_decode, random_ids, reference_greedy, reference_last_row, tiny_member
@@ -114,10 +115,35 @@ def test_the_budget_keeps_the_most_recently_used_prompts() -> None:
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([], [1]) == 0
 
 
-def test_off_static_and_bad_budgets() -> None:
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+def test_static_slots_load_a_stored_prompt_and_store_their_own(name: str, request: pytest.FixtureRequest) -> None:
+    """A static member's request copies a stored prompt into its slot and prefills only the tail; the states it
+    stores from its slot (every state, Gemma's sliding layers too: the window is in the masks) are the ones an
+    eager prefill computes."""
+    base = request.getfixturevalue(name)
+    static = Member(base.model, base.tokenizer, passes="static", max_cache_len=128)
+    assert static.prefix_cache is not None
+    prompt = random_ids(30, 20)
+    first = static.start_from_ids(prompt)
+    first.score()
+    assert isinstance(first.cache, StaticCache) and first.stats.prefix_reused == 0
+    assert len(static.prefix_cache) == 1 and static.prefix_cache.tokens == 30
+    longer = prompt + random_ids(6, 21)
+    state = static.start_from_ids(longer)
+    assert isinstance(state.cache, StaticCache) and state.stats.prefix_reused == 30
+    assert greedy_decode(state, 10) == reference_greedy(base, longer, 10)
+    assert state.stats.tokens_fed == 6 + 10 and state.stats.static_passes == state.stats.forward_passes
+    eager = uncached(base).start_from_ids(prompt)
+    eager.score()
+    _, entry = static.prefix_cache.longest(prompt, 30)
+    assert entry is not None and len(entry.keys) == len(eager.cache.layers)
+    for stored, layer in zip(entry.keys, eager.cache.layers):
+        assert torch.allclose(stored[:, :, :30], layer.keys[:, :, :30], atol=1e-5)
+
+
+def test_off_and_bad_budgets() -> None:
     member = tiny_member("smollm2-135m-instruct", seed=2)
     assert uncached(member).prefix_cache is None
-    assert Member(member.model, member.tokenizer, passes="static", max_cache_len=128).prefix_cache is None
     for bad in (-1, 1.5, True, "4096"):
         with pytest.raises(InvalidOptionError, match="prefix_cache"):
             MemberSpec("smollm2-135m-instruct", prefix_cache=bad)

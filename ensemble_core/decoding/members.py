@@ -65,10 +65,9 @@ class Member:
         self.static: StaticPasses | None = None
         if check_passes(passes) != "eager":
             self.static = StaticPasses(model, passes, max_cache_len)
-        #: Its recent prompts' KV states, reused by requests that start the same way (None: off, or static
-        #: passes, whose slots are not restored from it yet; :mod:`~ensemble_core.decoding.prefix_cache`).
-        self.prefix_cache: PrefixCache | None = (
-            PrefixCache(prefix_cache) if check_prefix_cache(prefix_cache) and self.static is None else None)
+        #: Its recent prompts' KV states, reused by requests that start the same way, eager caches and static
+        #: slots alike (None: off; :mod:`~ensemble_core.decoding.prefix_cache`).
+        self.prefix_cache: PrefixCache | None = PrefixCache(prefix_cache) if check_prefix_cache(prefix_cache) else None
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -212,7 +211,8 @@ class DecodeState:
         self.prompt_len = len(prompt_ids)
         self.stats = DecodeStats()
         static = self._static_cache()
-        self.cache, self.cached = (static, 0) if static is not None else self._fresh_cache(self.prompt_len - 1)
+        self.cache, self.cached = ((static, self._load_prefix(static)) if static is not None
+                                   else self._fresh_cache(self.prompt_len - 1))
         self.stats.prefix_reused = self.cached
         #: whether the prompt's states are in the member's prefix cache (or need not be)
         self._prompt_stored = member.prefix_cache is None
@@ -238,6 +238,17 @@ class DecodeState:
         store = self.member.prefix_cache
         restored = store.restore(self.member.model, self.ids, limit) if store is not None else None
         return restored if restored is not None else (new_cache(self.member.model), 0)
+
+    def _load_prefix(self, static: StaticCache) -> int:
+        """How many of this state's first ``prompt_len - 1`` ids the static slot now holds, loaded from the
+        member's prefix cache (0: none stored)."""
+        store = self.member.prefix_cache
+        found = store.find(self.ids, self.prompt_len - 1) if store is not None else None
+        if found is None:
+            return 0
+        n, entry = found
+        static.load(entry.keys, entry.values, n)
+        return n
 
     def _store_prompt(self) -> None:
         """Keep the prompt's states in the member's prefix cache, once a pass has computed them all."""

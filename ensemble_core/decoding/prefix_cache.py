@@ -56,10 +56,10 @@ def prompt_states(cache: Any, n: int) -> tuple[tuple[torch.Tensor, ...], tuple[t
     a sliding layer trimmed to its window, a layer kind other than this package's, a batch of rows)."""
     keys, values = [], []
     for layer in getattr(cache, "layers", ()):
-        if type(layer) not in (RoomyLayer, RoomySlidingLayer) or not layer.is_initialized:
+        if not isinstance(layer, (RoomyLayer, RoomySlidingLayer)) or not layer.is_initialized:
             return None
-        k, v = layer.keys, layer.values
-        held_from_start = type(layer) is RoomyLayer or k.shape[-2] == layer.cumulative_length
+        k, v = layer.keys, layer.values  # a full layer, or a static slot's (its window is in the masks), holds them all
+        held_from_start = not isinstance(layer, RoomySlidingLayer) or k.shape[-2] == layer.cumulative_length
         if k.dim() != 4 or k.shape[0] != 1 or k.shape[-2] < n or v.shape[-2] < n or not held_from_start:
             return None
         keys.append(k[:, :, :n].clone(memory_format=torch.contiguous_format))
@@ -99,18 +99,28 @@ class PrefixCache:
                 self._entries.move_to_end(found.ids)
         return best, found
 
-    def restore(self, model: Any, ids: Sequence[int], limit: int) -> tuple[Any, int] | None:
-        """A new cache for ``model`` holding the states of the longest stored prefix of ``ids[:limit]`` and its
-        length, or None when no stored prompt shares :attr:`min_reuse` ids with it."""
+    def find(self, ids: Sequence[int], limit: int) -> tuple[int, PrefixEntry] | None:
+        """The longest stored prefix of ``ids[:limit]`` (its length and the prompt holding it, counted as a hit),
+        or None when no stored prompt shares :attr:`min_reuse` ids with it."""
         n, entry = self.longest(ids, limit)
         if entry is None or n < self.min_reuse:
             return None
-        cache = new_cache(model)
-        for i, (k, v) in enumerate(zip(entry.keys, entry.values)):
-            cache.update(k[:, :, :n], v[:, :, :n], i)
         with self._lock:
             self.hits += 1
             self.reused_tokens += n
+        return n, entry
+
+    def restore(self, model: Any, ids: Sequence[int], limit: int) -> tuple[Any, int] | None:
+        """A new eager cache for ``model`` holding the states of the longest stored prefix of ``ids[:limit]`` and
+        its length (None: :meth:`find` found none). A static slot loads them itself
+        (:meth:`~ensemble_core.decoding.static.StaticCache.load`)."""
+        found = self.find(ids, limit)
+        if found is None:
+            return None
+        n, entry = found
+        cache = new_cache(model)
+        for i, (k, v) in enumerate(zip(entry.keys, entry.values)):
+            cache.update(k[:, :, :n], v[:, :, :n], i)
         return cache, n
 
     def store(self, ids: Sequence[int], cache: Any) -> bool:

@@ -352,6 +352,17 @@ class StaticCache(DynamicCache):
             layer.expose(length)
         self._share(length)
 
+    def load(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], n: int) -> None:
+        """Hold the first ``n`` of ``keys`` / ``values`` (per layer ``[1, H, >= n, D]``: a prefix cache's stored
+        prompt, :mod:`~ensemble_core.decoding.prefix_cache`), copied into the slot: the request prefills only
+        the rest. Every layer kind takes them all (a sliding window is in the masks)."""
+        if len(keys) != len(self.slot.keys) or len(values) != len(self.slot.values):
+            raise ValueError(f"{len(keys)} layers of states for a slot of {len(self.slot.keys)}")
+        for slot_k, slot_v, k, v in zip(self.slot.keys, self.slot.values, keys, values):
+            slot_k[:, :, :n].copy_(k[:, :, :n])
+            slot_v[:, :, :n].copy_(v[:, :, :n])
+        self.advance(n)
+
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' crop (a negative count of states to drop); one length to move while the layers share it."""
         if self.length.shared and tokens_to_remove <= 0:

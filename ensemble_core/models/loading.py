@@ -66,7 +66,7 @@ class MemberSpec:
     member's forward passes run: ``"eager"`` (default), ``"static"`` (fixed shapes over a
     preallocated KV slot of ``max_cache_len`` tokens) or ``"graphs"`` (static, replayed as CUDA
     graphs; experimental until measured on a GPU). See :mod:`ensemble_core.decoding.static`.
-    ``prefix_cache``: how many tokens of its recent prompts' KV states an eager member keeps, so that a
+    ``prefix_cache``: how many tokens of its recent prompts' KV states a member keeps, so that a
     request that starts like one of them (an agent's next turn, a chat's next message) prefills only
     what is new (0: none; see :mod:`ensemble_core.decoding.prefix_cache`).
     """
