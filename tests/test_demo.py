@@ -115,7 +115,8 @@ def test_demo_flags_and_device_reach_the_members(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(demo, "conversion_pending", lambda name: False)
     with pytest.raises(RuntimeError, match="stop before loading"):
         demo.run_demo(build_parser().parse_args(["demo", "--device", "cuda:1", "--dtype", "bfloat16"]), lambda stats: [])
-    assert seen == [{"name": demo.DEMO_MEMBERS[0], "device": "cuda:1", "dtype": "bfloat16"}]
+    # timed rows share members: no prefix cache, or the second row to run a prompt would find it prefilled
+    assert seen == [{"name": demo.DEMO_MEMBERS[0], "device": "cuda:1", "dtype": "bfloat16", "prefix_cache": 0}]
     assert f"on {demo.GPU_QUESTIONS} fixed arithmetic questions" in capsys.readouterr().out
 
 
