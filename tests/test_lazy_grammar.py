@@ -705,7 +705,7 @@ def second_choice_member(alias: str, name: str, reply: Any = PROSE, second: Any 
     base = tiny_member(alias, seed=1)
     lm = SecondChoiceLM(base.model, base.tokenizer, reply if callable(reply) else (lambda prompt: reply),
                         second if callable(second) else (lambda prompt: second))
-    return Member(lm, base.tokenizer, name=name)
+    return Member(lm, base.tokenizer, name=name, prefix_cache=0)  # ScriptedLM tells requests apart by an empty cache
 
 
 HISTORY = [{"role": "user", "content": "6 times 7?"},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ensemble_core import Member
 from ensemble_core.models.products import (
     PREPACK_MEMORY_SHARE,
     CpuLinear,
@@ -143,7 +144,8 @@ def test_members_prepacked_give_the_same_logits_bit_for_bit(alias: str) -> None:
     assert all(m.packed() is not None for m in linears) and all(g.packed is not None for g in groups)
 
     def run() -> list[torch.Tensor]:
-        state = member.start_from_ids(random_ids(30, 4))
+        # no prefix cache: each run prefills the whole prompt (the second would reuse the first's states)
+        state = Member(member.model, member.tokenizer, prefix_cache=0).start_from_ids(random_ids(30, 4))
         return [state.score(), state.score(random_ids(6, 5)), state.score(random_ids(1, 6))]
 
     packed = run()
@@ -204,7 +206,8 @@ def test_fused_projections_give_every_layer_its_own_product_bit_for_bit(alias: s
             assert layer.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
 
     def run() -> list[torch.Tensor]:
-        state = member.start_from_ids(random_ids(40, 7))
+        # no prefix cache: each run prefills the whole prompt (the second would reuse the first's states)
+        state = Member(member.model, member.tokenizer, prefix_cache=0).start_from_ids(random_ids(40, 7))
         return [state.score(), state.score(random_ids(5, 8)), state.score(random_ids(1, 9))]
 
     stacked = run()
