@@ -141,6 +141,21 @@ def test_static_slots_load_a_stored_prompt_and_store_their_own(name: str, reques
         assert torch.allclose(stored[:, :, :30], layer.keys[:, :, :30], atol=1e-5)
 
 
+def test_prompts_stored_before_the_model_is_cast_are_forgotten() -> None:
+    """``model.to(dtype)`` after a request: the next request prefills in full in the new dtype (its stored states
+    would meet the cast weights in a pass), and the cache fills again from there."""
+    member = tiny_member("smollm2-135m-instruct", seed=4)
+    prompt = random_ids(30, 30)
+    member.start_from_ids(prompt).score()
+    assert len(member.prefix_cache) == 1
+    member.model.to(torch.float64)
+    state = member.start_from_ids(prompt)
+    assert greedy_decode(state, 6) == reference_greedy(member, prompt, 6)
+    assert state.stats.prefix_reused == 0 and state.cache.layers[0].keys.dtype == torch.float64
+    again = member.start_from_ids(prompt)
+    assert again.stats.prefix_reused == 29 and again.cache.layers[0].keys.dtype == torch.float64
+
+
 def test_off_and_bad_budgets() -> None:
     member = tiny_member("smollm2-135m-instruct", seed=2)
     assert uncached(member).prefix_cache is None

@@ -20,7 +20,7 @@ import torch
 from ensemble_core.constraints.structured import StructuredRequest, with_instructions
 from ensemble_core.decoding.cache import can_crop_exactly, crop, new_cache
 from ensemble_core.decoding.forward import Job, causal_job, choice, single_pass
-from ensemble_core.decoding.prefix_cache import PrefixCache
+from ensemble_core.decoding.prefix_cache import PrefixCache, placement
 from ensemble_core.decoding.scheduler import Binding, current, run_job
 from ensemble_core.decoding.static import StaticCache, StaticPasses, route
 from ensemble_core.errors import (
@@ -243,7 +243,7 @@ class DecodeState:
         """How many of this state's first ``prompt_len - 1`` ids the static slot now holds, loaded from the
         member's prefix cache (0: none stored)."""
         store = self.member.prefix_cache
-        found = store.find(self.ids, self.prompt_len - 1) if store is not None else None
+        found = store.find(self.ids, self.prompt_len - 1, placement(self.member.model)) if store is not None else None
         if found is None:
             return 0
         n, entry = found
@@ -255,7 +255,7 @@ class DecodeState:
         if not self._prompt_stored and self.cached >= self.prompt_len:
             self._prompt_stored = True
             assert self.member.prefix_cache is not None
-            self.member.prefix_cache.store(self.ids[:self.prompt_len], self.cache)
+            self.member.prefix_cache.store(self.ids[:self.prompt_len], self.cache, placement(self.member.model))
 
     @property
     def response_ids(self) -> list[int]:

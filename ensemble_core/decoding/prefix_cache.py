@@ -67,6 +67,14 @@ def prompt_states(cache: Any, n: int) -> tuple[tuple[torch.Tensor, ...], tuple[t
     return (tuple(keys), tuple(values)) if keys else None
 
 
+def placement(model: Any) -> tuple[torch.device, torch.dtype]:
+    """Where and in which dtype ``model``'s head weight lives: a change means the model was moved or cast after
+    its prompts were stored (``model.to(...)``), and states kept from before would meet the new weights in a
+    pass (a device or dtype error deep inside torch)."""
+    weight = model.get_output_embeddings().weight
+    return weight.device, weight.dtype
+
+
 class PrefixCache:
     """A member's most recently used prompts' KV states, within ``capacity`` tokens in all (thread-safe).
 
@@ -83,6 +91,7 @@ class PrefixCache:
         self.tokens = 0
         self.hits = 0
         self.reused_tokens = 0
+        self._placement: tuple[torch.device, torch.dtype] | None = None  # the model's when its prompts were stored
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -99,9 +108,14 @@ class PrefixCache:
                 self._entries.move_to_end(found.ids)
         return best, found
 
-    def find(self, ids: Sequence[int], limit: int) -> tuple[int, PrefixEntry] | None:
+    def find(self, ids: Sequence[int], limit: int, where: tuple[torch.device, torch.dtype] | None = None
+             ) -> tuple[int, PrefixEntry] | None:
         """The longest stored prefix of ``ids[:limit]`` (its length and the prompt holding it, counted as a hit),
-        or None when no stored prompt shares :attr:`min_reuse` ids with it."""
+        or None when no stored prompt shares :attr:`min_reuse` ids with it. ``where``: the model's
+        :func:`placement` now; when it moved since its prompts were stored, they are forgotten (None)."""
+        if where is not None and self._placement is not None and where != self._placement:
+            self.clear()
+            return None
         n, entry = self.longest(ids, limit)
         if entry is None or n < self.min_reuse:
             return None
@@ -114,7 +128,7 @@ class PrefixCache:
         """A new eager cache for ``model`` holding the states of the longest stored prefix of ``ids[:limit]`` and
         its length (None: :meth:`find` found none). A static slot loads them itself
         (:meth:`~ensemble_core.decoding.static.StaticCache.load`)."""
-        found = self.find(ids, limit)
+        found = self.find(ids, limit, placement(model))
         if found is None:
             return None
         n, entry = found
@@ -123,13 +137,17 @@ class PrefixCache:
             cache.update(k[:, :, :n], v[:, :, :n], i)
         return cache, n
 
-    def store(self, ids: Sequence[int], cache: Any) -> bool:
+    def store(self, ids: Sequence[int], cache: Any, where: tuple[torch.device, torch.dtype] | None = None) -> bool:
         """Keep the states of ``ids`` (the first ``len(ids)`` states of ``cache``); False when they are not
-        kept (shorter than :attr:`min_reuse`, longer than the capacity, states not all held)."""
+        kept (shorter than :attr:`min_reuse`, longer than the capacity, states not all held). ``where``: the
+        model's :func:`placement` (prompts stored before it changes are forgotten)."""
         key = tuple(map(int, ids))
         if not self.min_reuse <= len(key) <= self.capacity:
             return False
         with self._lock:
+            if where is not None and where != self._placement:
+                self._entries.clear()
+                self.tokens, self._placement = 0, where
             if any(stored[:len(key)] == key for stored in self._entries):  # held already (itself or a longer one)
                 return True
         states = prompt_states(cache, len(key))
