@@ -218,15 +218,17 @@ def with_instructions(messages: list[dict[str, Any]], request: StructuredRequest
     and its second prompt shared 3 tokens with its first. :data:`VALUE_ANSWER_INSTRUCTIONS` stay with the
     schema's instructions they point to ("described below").
     """
-    parts, last = [], []
+    parts: list[str] = []
+    after: list[dict[str, Any]] = []
     if request.tools and request.choice != "none" and not native_tools:
         parts.append(tool_instructions(request))
     if request.tools and request.choice == "auto" and any(m.get("role") == "tool" for m in messages):
-        (last if request.schema is None else parts).append(
-            ANSWER_INSTRUCTIONS if request.schema is None else VALUE_ANSWER_INSTRUCTIONS)
+        if request.schema is None:
+            after.append({"role": "system", "content": ANSWER_INSTRUCTIONS})
+        else:
+            parts.append(VALUE_ANSWER_INSTRUCTIONS)
     if request.schema is not None and not request.forced_call:
         parts.append(schema_instructions(request.schema) if request.schema else JSON_INSTRUCTIONS)
-    after = [{"role": "system", "content": text} for text in last]
     if not parts:
         return [*messages, *after] if after else messages
     text = "\n\n".join(parts)

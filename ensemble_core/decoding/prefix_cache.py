@@ -81,7 +81,7 @@ class PrefixCache:
     :meth:`restore` gives a new request a cache holding the longest stored prefix of its ids (at least
     :data:`MIN_REUSE`); :meth:`store` keeps a prompt once its pass has run. A prompt that extends a stored
     one replaces it (an agent's next turn supersedes the last), one that a stored prompt extends is not
-    kept twice. ``hits`` and ``reused_tokens`` count what it saved.
+    kept twice. ``hits`` counts the requests it served (each request's ``prefix_reused`` says how much).
     """
 
     def __init__(self, capacity: int, min_reuse: int = MIN_REUSE) -> None:
@@ -90,7 +90,6 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.tokens = 0
         self.hits = 0
-        self.reused_tokens = 0
         self._placement: tuple[torch.device, torch.dtype] | None = None  # the model's when its prompts were stored
 
     def __len__(self) -> int:
@@ -121,7 +120,6 @@ class PrefixCache:
             return None
         with self._lock:
             self.hits += 1
-            self.reused_tokens += n
         return n, entry
 
     def restore(self, model: Any, ids: Sequence[int], limit: int) -> tuple[Any, int] | None:
