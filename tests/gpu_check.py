@@ -291,9 +291,17 @@ def main() -> int:
 
     step("placement", placement)
     step("batching", lambda: batching(members, args.tokens // 2))
-    for mode in args.passes:  # the batched pass over the static pool (captured per rows x tokens x span with graphs)
-        step(f"batching_{mode}", lambda mode=mode: batching({n: twin(m, mode) for n, m in members.items()},
-                                                            args.tokens // 2, busy=True))
+    def pooled(mode: str) -> dict:
+        """The batched pass over the static pool (captured per rows x tokens x span with graphs, on first use,
+        while other requests' threads run: each twin's captures, replays and any bucket left uncaptured)."""
+        twins = {n: twin(m, mode) for n, m in members.items()}
+        out = batching(twins, args.tokens // 2, busy=True)
+        out["passes"] = {n: {"counts": dict(t.static.counts), "reasons": dict(t.static.reasons)}
+                         for n, t in twins.items() if t.static is not None}
+        return out
+
+    for mode in args.passes:
+        step(f"batching_{mode}", lambda mode=mode: pooled(mode))
     if args.save:
         for name in ("drafter-135m", "gemma-1b"):
             members[name].model.save_pretrained(args.save / name)

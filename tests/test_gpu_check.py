@@ -53,6 +53,11 @@ def test_gpu_check_dry_runs_every_step(tmp_path: Path) -> None:
     # SpecEM's level (tiny random members write no text tokens with the other methods: no tokens/s to share)
     assert 0 < report["batching_graphs"]["specem"]["16"]["device_busy_share"] <= 1, report["batching_graphs"]
     assert "device_busy_share" not in report["batching"]["specem"]["16"]
+    # each pooled member says how its passes ran: on a CPU static passes, no capture, and why not
+    pooled = report["batching_graphs"]["passes"]
+    assert set(pooled) == {"drafter-135m", "llama-1b", "gemma-1b"}, pooled
+    assert all(p["counts"]["static"] > 0 and p["counts"]["captures"] == 0 and "graphs" in p["reasons"]
+               for p in pooled.values()), pooled
 
 
 @pytest.mark.real  # the bundled tokenizers, as above

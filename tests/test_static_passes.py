@@ -492,6 +492,26 @@ def test_graphs_on_a_cpu_member_run_static_and_say_why() -> None:
     assert runner.counts["static"] == 1 and runner.counts["captures"] == 0 and state.stats.graph_replays == 0
 
 
+def test_a_capture_that_fails_costs_its_bucket_the_graph_never_the_request() -> None:
+    # a graphed member that tries to capture where capture cannot work (this CPU build has no CUDA: a real
+    # failure, not a simulated one) records why per bucket, gives the static pass's logits, and leaves the
+    # process-wide capture lock free for the next bucket's attempt (no deadlock, no stuck capture)
+    static = static_twin(tiny_member("smollm2-135m-instruct", seed=0))
+    graphed = static_twin(tiny_member("smollm2-135m-instruct", seed=0), mode="graphs")
+    runner = graphed.static
+    assert runner is not None
+    runner.reasons.pop("graphs")  # as on a CUDA member: every new bucket tries a capture
+    assert runner.capturing
+    want, got = static.start_from_ids(random_ids(8, 0)), graphed.start_from_ids(random_ids(8, 0))
+    for ids in ([5], [6, 7], [8]):  # buckets 1 and 2 after the prompt's 16, then 1 again (failed: not tried twice)
+        assert torch.allclose(want.score(ids), got.score(ids), atol=1e-5)
+    failed = {key: why for key, why in runner.reasons.items() if key.startswith("bucket ")}
+    assert sorted(failed) == ["bucket 1x16x256", "bucket 1x1x256", "bucket 1x2x256"], runner.reasons
+    assert all("cuda" in why.lower() for why in failed.values()), failed
+    assert runner.counts["captures"] == runner.counts["replays"] == got.stats.graph_replays == 0
+    assert not static_module._CAPTURE_LOCK.locked()
+
+
 def test_bad_pass_options_raise_typed_errors() -> None:
     member = tiny_member("smollm2-135m-instruct", seed=0)
     with pytest.raises(InvalidOptionError, match="passes"):

@@ -663,19 +663,8 @@ class StaticPasses:
         shares one memory pool (they never run at the same time: the lock).
         """
         try:
-            device = self.shape.device
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(WARMUP_RUNS):
-                    run()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                out = run()
-            bucket.graph, bucket.out = graph, out
+            bucket.graph, bucket.out = capture_graph(run, self.shape.device, self._graph_pool)
+            self._graph_pool = self._graph_pool or bucket.graph.pool()
             self.counts["captures"] += 1
         except Exception as exc:  # a capture that fails costs this bucket its graph, never the request
             bucket.failed = f"{type(exc).__name__}: {exc}"
@@ -688,6 +677,45 @@ class StaticPasses:
         place_device_ids(inputs, [(0, job)], n)
         keep = to_device(job.keep, device)
         return self._forward(slot.keys, slot.values, context + n, inputs, 1, n, keep=keep).float()
+
+
+#: One capture at a time in the process: CUDA records one capture sequence per stream, and two
+#: members capturing at once (two requests' first passes of a new shape) would otherwise both begin.
+_CAPTURE_LOCK = threading.Lock()
+
+
+def capture_graph(run: Callable[[], torch.Tensor], device: torch.device,
+                  pool: Any = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``run`` recorded as a CUDA graph on ``device`` and the output buffer its replays fill (in the memory ``pool``,
+    another graph's ``pool()``; None: a new pool).
+
+    Captures happen on a member's first pass of a shape, while other requests' threads go on
+    with their own CUDA work (fusion, sampling, reading results, other members' passes), not at
+    start-up before anything runs as in vLLM. Hence, beyond torch's recipe (eager warm-up runs
+    on a side stream, so lazy initialisation is not recorded):
+
+    * ``capture_error_mode="thread_local"``: under torch's default ("global") a copy, an
+      allocation or a synchronisation issued by *any* thread during the capture invalidates it
+      and fails in that thread, i.e. an unrelated request would fail (vLLM moved every capture
+      path to thread_local for the same reason). The capture follows the stream, so other
+      threads' kernels on their own streams are neither recorded nor blocked;
+    * the capture runs under ``torch.cuda.device(device)`` on a stream of that device: torch's
+      shared capture stream belongs to whichever device was current when first used, and a
+      member on ``cuda:1`` captured on a stream of ``cuda:0`` records nothing (its kernels go to
+      its own device's stream), so its replays would return a stale buffer;
+    * one capture at a time (:data:`_CAPTURE_LOCK`).
+    """
+    with _CAPTURE_LOCK, torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+            out = run()
+    return graph, out
 
 
 def _release(slot: Slot) -> None:
