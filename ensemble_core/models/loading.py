@@ -19,10 +19,10 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +36,8 @@ from ensemble_core.models.bundled import BUNDLED, convert_gguf
 from ensemble_core.models.products import available_memory, should_prepack, use_cpu_products
 from ensemble_core.models.quantize import check_scheme, quantize
 from ensemble_core.options import check_bool
+
+T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -318,14 +320,54 @@ def _load_objects(spec: MemberSpec) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def in_passing_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` run in a thread that ends with it: its result, or its exception raised here.
+
+    Why: torch's CPU kernels run on OpenMP, and GNU OpenMP keeps a team of helper threads for
+    every thread that ever ran a parallel region, until that thread ends. Once the teams hold more
+    threads than there are cores, each team's helpers stop spinning between regions and sleep
+    (libgomp's "throttled" wait), so every region of a pass waits for its helpers to wake. Loading
+    a member (conversion, casting, prepacking) runs parallel regions; done in the caller's thread
+    (usually the main one, which never ends), it leaves a team there for good, and the passes of
+    every request that then runs in another thread (``ainvoke``, LlamaIndex's async agents, a
+    served request: ``runtime.Run.astream``) pay that wait. Measured on 2 cores, the bundled SmolLM2,
+    48 tokens from a worker thread: 3.73-4.25 s after loading in the main thread, 3.27-3.41 s after
+    loading in a thread of its own (docs/configuration.md, "Threads").
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller, raised there with its own traceback
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="ensemble-load", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def on_cpu(spec: MemberSpec) -> bool:
+    """Whether ``spec``'s weights stay on the CPU (no device, ``"cpu"``, no accelerate placement)."""
+    return spec.device_map is None and str(spec.device or "cpu").startswith("cpu")
+
+
 def load_objects(spec: MemberSpec) -> tuple[Any, Any]:
-    """Load (or fetch from the per-process cache) a model and tokenizer for ``spec``."""
+    """Load (or fetch from the per-process cache) a model and tokenizer for ``spec``.
+
+    A CPU member loads in a thread of its own (:func:`in_passing_thread`), so that the caller's thread
+    keeps no OpenMP team. A GPU member loads here: the caller's current CUDA device is its own
+    (``torch.cuda.set_device``) and would not carry over to another thread."""
     key = (str(spec.source), str(spec.dtype), spec.device, repr(spec.device_map),
            spec.attn_implementation, spec.trust_remote_code, spec.quantize, spec.prepack)
     with _LOAD_LOCK:
         if key not in _LOADED:
             t0 = time.perf_counter()
-            _LOADED[key] = _load_objects(spec)
+            load = functools.partial(_load_objects, spec)
+            _LOADED[key] = in_passing_thread(load) if on_cpu(spec) else load()
             LOAD_SECONDS[str(spec.source)] = time.perf_counter() - t0
         return _LOADED[key]
 
