@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -329,25 +330,13 @@ def in_passing_thread(fn: Callable[[], T]) -> T:
     (libgomp's "throttled" wait), so every region of a pass waits for its helpers to wake. Loading
     a member (conversion, casting, prepacking) runs parallel regions; done in the caller's thread
     (usually the main one, which never ends), it leaves a team there for good, and the passes of
-    every request that then runs in another thread (``ainvoke``, LlamaIndex's async agents, a
-    served request: ``runtime.Run.astream``) pay that wait. Measured on 2 cores, the bundled SmolLM2,
+    every request that then runs in another thread (``ainvoke``, LlamaIndex's async agents:
+    ``runtime.Run.astream``) pay that wait. Measured on 2 cores, the bundled SmolLM2,
     48 tokens from a worker thread: 3.73-4.25 s after loading in the main thread, 3.27-3.41 s after
-    loading in a thread of its own (docs/configuration.md, "Threads").
+    loading in a thread of its own (docs/configuration.md, "Threads on a CPU").
     """
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed to the caller, raised there with its own traceback
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="ensemble-load", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ensemble-load") as pool:
+        return pool.submit(fn).result()  # the pool's thread ends when the block does; fn's error is raised here
 
 
 def on_cpu(spec: MemberSpec) -> bool:
