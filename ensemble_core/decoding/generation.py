@@ -29,6 +29,7 @@ from ensemble_core.constraints.structured import (
     structured_request,
 )
 from ensemble_core.decoding.members import DecodeState, Member
+from ensemble_core.decoding.runner import quiet
 from ensemble_core.decoding.scheduler import Batcher, BatchingConfig, Binding, bound
 from ensemble_core.decoding.stats import RequestStats
 from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
@@ -287,14 +288,20 @@ class EnsembleMethod(ABC, Generic[C]):
         """Several prompts, results in order.
 
         With batching on they run concurrently, one worker thread per prompt (at most
-        ``max_batch_rows`` at a time), and share their forward passes; otherwise one after
-        another. The first error raised by any prompt is raised here.
+        ``max_batch_rows`` at a time), and share their forward passes, which the model runner
+        computes (:mod:`~ensemble_core.decoding.runner`); otherwise one after another. The first
+        error raised by any prompt is raised here.
         """
         if self.batcher is None or len(prompts) < 2:
             return [self.generate(p, **overrides) for p in prompts]
         workers = min(len(prompts), self.batcher.config.max_batch_rows)
+
+        def one(prompt: Prompt) -> GenerationResult:
+            with quiet():  # its passes on the model runner, beside the others' (decoding.runner)
+                return self.generate(prompt, **overrides)
+
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ensemble-batch") as pool:
-            return list(pool.map(lambda p: self.generate(p, **overrides), prompts))
+            return list(pool.map(one, prompts))
 
 
 def _holdback(text: str, stops: Sequence[str]) -> int:

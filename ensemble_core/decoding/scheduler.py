@@ -20,11 +20,15 @@ request that finishes, is cancelled or sits between two steps of a slow stream c
 is simply not active, and one that starts joins at the next flush: continuous batching
 for free. A request running alone skips the queue (its passes run in its own threads).
 
-How to run: :func:`~ensemble_core.decoding.forward.batched_forward` (the forward layer).
+How to run: :func:`~ensemble_core.decoding.forward.batched_forward` (the forward layer). Which
+thread runs a pass: a quiet request thread (:mod:`~ensemble_core.decoding.runner`) hands its CPU
+passes, lone and batched, to the model runner, so that concurrent requests compute in one
+OpenMP team; any other thread runs them itself.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -44,6 +48,7 @@ from ensemble_core.decoding.forward import (
     run_pass,
     run_steps,
 )
+from ensemble_core.decoding.runner import where
 from ensemble_core.decoding.slab import Slab
 from ensemble_core.errors import InvalidOptionError
 from ensemble_core.options import check_bool, check_int, check_number
@@ -202,7 +207,7 @@ def member_threads(count: int) -> Any:
 def run_job(binding: Binding | None, member: Any, job: Job) -> torch.Tensor:
     """Run ``job`` now (no binding) or through the request's batcher."""
     if binding is None:
-        return run_alone(job)
+        return where(member)(lambda: run_alone(job))
     return binding.run(member, job)
 
 
@@ -345,7 +350,7 @@ class Batcher:
                 and not any(q for _, q in self._queues.values()))
 
     def _run_alone(self, member: Any, job: Job) -> torch.Tensor:
-        """A lone request's call: the plain pass, now, in the calling thread.
+        """A lone request's call: the plain pass, now, in the calling thread (a quiet one's: on the runner).
 
         Nothing can share it, and its members' threads (SpecEM drafting with both members at
         once) then overlap their passes exactly as unbatched decoding does instead of taking
@@ -361,8 +366,11 @@ class Batcher:
             self._record(member, jobs=1, lengths=[len(step.ids)], padded=len(step.ids), batched=False,
                          seconds=time.perf_counter() - t0)
 
-        with torch.inference_mode():
-            run_steps([job], one_pass)
+        def passes() -> None:
+            with torch.inference_mode():
+                run_steps([job], one_pass)
+
+        where(member)(passes)
         if job.error is not None:
             raise job.error
         assert job.result is not None
@@ -410,7 +418,7 @@ class Batcher:
         self._cond.release()
         try:
             for member, jobs in taken:
-                self._run_member(member, jobs)
+                where(member)(functools.partial(self._run_member, member, jobs))
         finally:
             self._cond.acquire()
             self._flushing = False

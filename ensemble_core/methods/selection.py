@@ -30,7 +30,8 @@ import torch
 from ensemble_core.decoding.drafting import DraftScores, draft_segment
 from ensemble_core.decoding.generation import GenerationConfig
 from ensemble_core.decoding.members import Member
-from ensemble_core.decoding.scheduler import member_threads
+from ensemble_core.decoding.runner import is_quiet, member_thread
+from ensemble_core.decoding.scheduler import concurrent_requests, member_threads
 from ensemble_core.decoding.verify_inline import (
     SCORING_KINDS,
     check_verifier,
@@ -194,11 +195,13 @@ def run_all(fn: Callable[[T], R], items: Sequence[T], parallel: bool) -> list[R]
     """``[fn(x) for x in items]``, in threads when ``parallel`` (see :func:`use_threads`)."""
     if not parallel or len(items) < 2:
         return [fn(x) for x in items]
+    quiet_request, alone = is_quiet(), concurrent_requests() <= 1
     with member_threads(len(items)) as done:
 
         def work(x: T) -> R:
             try:
-                return fn(x)
+                with member_thread(quiet_request, alone):  # how its passes run (decoding.runner)
+                    return fn(x)
             finally:
                 done()
 
