@@ -182,7 +182,21 @@ def test_an_async_request_runs_its_passes_on_the_runner(llama: Member) -> None:
     assert set(threads) == {"ensemble-model-runner"} and sum(threads.values()) >= 2, threads
     with passes_by_thread([llama]) as threads:
         assert ens.generate("Hi").text == expected
-    assert "ensemble-model-runner" not in threads  # a request in the caller's thread runs its own passes
+    assert "ensemble-model-runner" not in threads  # a request in the main thread runs its own passes
+
+
+def test_which_requests_in_other_threads_hand_their_passes_to_the_runner(llama: Member) -> None:
+    ens = Ensemble([llama], method="single", max_new_tokens=8)
+    expected = ens.generate("Hi").text
+    # a blocking request in a thread of the caller's (LangChain's sync batch, a web framework's worker)
+    with passes_by_thread([llama]) as threads:
+        assert in_thread(lambda: Run(ens, "Hi").run().text) == expected
+    assert set(threads) == {"ensemble-model-runner"}, threads
+    # a stream consumed there: the caller's code runs between deltas, so its thread computes as it was
+    with passes_by_thread([llama]) as threads:
+        assert in_thread(lambda: "".join(ens.stream("Hi"))) == expected
+    assert "ensemble-model-runner" not in threads, threads
+    assert runner._quiet_threads == 0
 
 
 def test_a_pass_that_fails_on_the_runner_fails_its_requests_and_the_runner_serves_on(llama: Member) -> None:

@@ -8,7 +8,9 @@ LangChain's ``ainvoke``, LlamaIndex's async agents and the server run requests i
 so each kept a team: a SmolLM2-shaped 4-row decode step took 157-210 ms beside three idle teams
 and 93-116 ms with one (2 cores).
 
-So a request thread that may run beside others is *quiet* (:func:`quiet`): it computes its own
+So a request that runs in a thread other than the main one and whose deltas its caller takes at
+once (``Ensemble.generate`` and ``batch``, ``Run.run``, ``Run.astream``'s generation thread, which
+LangChain, LlamaIndex and the server go through) is *quiet* (:func:`quiet`): it computes its own
 vocabulary-wide work (fusion, sampling, masks) with one intra-op thread, which never starts a team,
 and hands every CPU pass to the one :class:`ModelRunner` thread, which computes it with the
 process's threads in the only team. A member thread of a quiet request (SpecEM drafting both
@@ -54,27 +56,30 @@ def quiet() -> Iterator[None]:
 
     ``torch.set_num_threads`` also sets the count that threads started later begin with, so the
     last quiet block to end sets the process's count back (a thread of the user's, started while
-    requests ran, begins with one thread; it can set its own).
+    requests ran, begins with one thread; it can set its own). The process's count is read when
+    no quiet block runs, under the lock that the last one restores it under.
     """
     global _quiet_threads, _process_threads
     with _LOCK:
         if _quiet_threads == 0:
             _process_threads = max(torch.get_num_threads(), 1)
         _quiet_threads += 1
+    entered = threading.get_ident()
     previous = getattr(_LOCAL, "quiet", False)
     _LOCAL.quiet = True
     _set_threads(1)
     try:
         yield
     finally:
-        _LOCAL.quiet = previous
+        here = threading.get_ident() == entered  # a generator closed by another thread: only the count
+        if here:
+            _LOCAL.quiet = previous
         with _LOCK:
             _quiet_threads -= 1
-            last = _quiet_threads == 0
-            restore = _process_threads
-        _set_threads(1 if previous else restore)
-        if last:
-            torch.set_num_threads(restore)
+            if here:
+                _set_threads(1 if previous else _process_threads)
+            if _quiet_threads == 0:
+                torch.set_num_threads(_process_threads)
 
 
 @contextmanager

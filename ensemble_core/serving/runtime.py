@@ -44,7 +44,6 @@ from ensemble_core.constraints.lazy import ANSWER_REQUEST, drop_repeated_calls
 from ensemble_core.constraints.structured import CallDelta, ReplyStream, StructuredOutput, read_value
 from ensemble_core.decoding.generation import GenerationConfig, GenerationResult
 from ensemble_core.decoding.members import Member
-from ensemble_core.decoding.runner import quiet
 from ensemble_core.ensemble import Ensemble
 from ensemble_core.errors import ConfigurationError, GenerationCancelled, GenerationTimeout, InvalidOptionError
 from ensemble_core.methods import config_fields as config_fields_of
@@ -598,10 +597,9 @@ class Run:
             # batcher (a pause per delta let passes start without it: the server's eight concurrent SAFE
             # requests ran 4.3 rows per pass instead of Ensemble.batch's 6.6)
             self.stream.drained = True
-            try:
-                with quiet():  # other requests may run beside it: its passes on the model runner
-                    for delta in self:
-                        post("delta", delta)
+            try:  # a drained stream in a thread of its own: its passes run on the model runner (decoding.runner)
+                for delta in self:
+                    post("delta", delta)
             except BaseException as exc:  # handed to the awaiting task, re-raised there
                 post("error", exc)
             else:
