@@ -5,8 +5,8 @@ thread that ever ran a parallel region, until that thread ends. Once the teams h
 than there are cores, every helper stops spinning between regions and sleeps, and each region of a
 pass waits for them to wake. Concurrent requests (``Ensemble.batch``'s workers, the threads that
 LangChain's ``ainvoke``, LlamaIndex's async agents and the server run requests in) each ran passes,
-so each kept a team: a SmolLM2-shaped 4-row decode step took 157-210 ms beside three idle teams
-and 93-116 ms with one (2 cores).
+so each kept a team: a SmolLM2-shaped 4-row decode step took 110-132 ms beside three other threads'
+idle teams, 78-101 ms without them (2 cores, ``docs/results/runner/idle_teams.py``).
 
 So a request that runs in a thread other than the main one and whose deltas its caller takes at
 once (``Ensemble.generate`` and ``batch``, ``Run.run``, ``Run.astream``'s generation thread, which
@@ -101,9 +101,8 @@ def member_thread(quiet_request: bool, alone: bool) -> ContextManager[None]:
 
     A request that is not quiet: unchanged. A quiet one: quiet while other requests run; alone,
     with every thread and its passes in the member thread. Why: SpecEM's two members draft side
-    by side, and one often finishes first; the other then goes on with every core (measured on the
-    bundled pair: both quiet with their passes taking turns on the runner, 68.8-72.9 s for four
-    GSM8K answers against 57.7-63.0 s).
+    by side, and one often finishes first; the other then goes on with every core (a first build
+    that put both on the runner: four GSM8K answers of the bundled pair 68.8-72.9 s against 57.7-63.0 s).
     """
     if not quiet_request:
         return nullcontext()
