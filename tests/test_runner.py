@@ -189,6 +189,14 @@ def test_an_async_request_runs_its_passes_on_the_runner(llama: Member) -> None:
     assert "ensemble-model-runner" not in threads  # a request in the main thread runs its own passes
 
 
+def test_an_async_request_without_batching_runs_its_passes_on_the_runner(llama: Member) -> None:
+    ens = Ensemble([llama], method="single", max_new_tokens=8, batching=False)  # run_job without a batcher
+    expected = ens.generate("Hi").text
+    with passes_by_thread([llama]) as threads:
+        assert asyncio.run(Run(ens, "Hi").arun()).text == expected
+    assert set(threads) == {"ensemble-model-runner"}, threads
+
+
 def test_which_requests_in_other_threads_hand_their_passes_to_the_runner(llama: Member) -> None:
     ens = Ensemble([llama], method="single", max_new_tokens=8)
     expected = ens.generate("Hi").text

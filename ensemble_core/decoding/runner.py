@@ -29,9 +29,9 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -87,8 +87,8 @@ def _loud() -> Iterator[None]:
     """This thread computes with the process's threads (a member thread of a quiet request that runs alone)."""
     previous = getattr(_LOCAL, "quiet", False)
     _LOCAL.quiet = False
-    with _LOCK:
-        count = _process_threads if _quiet_threads else torch.get_num_threads()
+    with _LOCK:  # its request is inside a quiet block: the process's count is read
+        count = _process_threads
     _set_threads(max(count, 1))
     try:
         yield
@@ -96,7 +96,7 @@ def _loud() -> Iterator[None]:
         _LOCAL.quiet = previous
 
 
-def member_thread(quiet_request: bool, alone: bool) -> ContextManager[None]:
+def member_thread(quiet_request: bool, alone: bool) -> AbstractContextManager[None]:
     """How a member thread of a request computes (entered in the member thread).
 
     A request that is not quiet: unchanged. A quiet one: quiet while other requests run; alone,
