@@ -357,7 +357,7 @@ def test_unknown_set_field_fails_early(tiny_llama, tiny_gemma, tmp_path: Path) -
 @pytest.mark.real
 def test_cli_bench_limit_2_runs_every_method_on_the_real_pair(tmp_path: Path, capsys) -> None:
     out = tmp_path / "bench"
-    rc = main(["bench", "--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", "24", "--out", str(out),
+    rc = main(["bench", "--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", "12", "--out", str(out),
                "--members", "smollm2-135m-instruct", "gemma3-270m", "--microbench-reps", "1", "--no-progress"])
     assert rc == 0
     for name in ARTEFACTS:
