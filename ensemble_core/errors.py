@@ -130,7 +130,13 @@ class UnsupportedModelError(ConfigurationError):
 
 
 class InputError(EnsembleError, ValueError):
-    """A prompt, message list or call argument cannot be processed."""
+    """A prompt, message list or call argument cannot be processed.
+
+    ``param``: the request field at fault where the core knows it (``"tools"``, ``"tool_choice"``,
+    ``"response_format"``; None: the prompt or messages), the ``param`` of the server's error.
+    """
+
+    param: str | None = None
 
 
 class UnsupportedContentError(InputError):

@@ -92,6 +92,27 @@ def test_invalid_member_options(kwargs: dict, option: str) -> None:
         MemberSpec(**kwargs)
 
 
+def test_a_device_this_process_lacks_is_refused_before_the_weights_load() -> None:
+    """torch would fail in ``model.to(...)`` after the load ("Torch not compiled with CUDA enabled")."""
+    from ensemble_core.models.loading import device_problem
+
+    assert device_problem("cpu") is None and "meta" in device_problem("meta")
+    assert device_problem("cuda:99") is not None  # no CUDA in this torch build, or not 100 GPUs
+    for device in ("cuda:99", "meta"):
+        with pytest.raises(InvalidOptionError, match="'device'.*'cpu' always works"):
+            Member.load("smollm2-135m-instruct", device=device)  # bundled: would load in seconds, if it got there
+
+
+def test_a_seed_beyond_64_bits_is_refused() -> None:
+    from ensemble_core.decoding.generation import GenerationConfig
+
+    for seed in (2**64 - 1, -2**63, 0, None):
+        assert GenerationConfig(seed=seed).seed == seed
+    for seed in (2**64, -2**63 - 1):
+        with pytest.raises(InvalidOptionError, match="seed.*64 bits"):
+            GenerationConfig(seed=seed)
+
+
 def test_bad_member_objects(tiny_llama: Member) -> None:
     with pytest.raises(InputError):
         Member(None, tiny_llama.tokenizer)

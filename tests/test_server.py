@@ -305,6 +305,22 @@ BAD_REQUESTS = [
     ("context overflow (max_tokens)", chat(max_tokens=100_000), 400, "context_length_exceeded", None),
     ("context overflow (stream)", chat(stream=True, max_tokens=100_000), 400, "context_length_exceeded", None),
     ("unknown model", chat(model="gpt-4o"), 404, "model_not_found", "model"),
+    ("seed beyond 64 bits", chat(seed=2**64), 400, "invalid_value", "seed"),
+    ("tool without a name", chat(tools=[{"type": "function", "function": {"parameters": {}}}]), 400, "invalid_value",
+     "tools"),
+    ("tool schema the validator rejects", chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "banana"}}}}}]), 400,
+     "invalid_value", "tools"),
+    ("tool parameters not an object", chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]), 400, "invalid_value", "tools"),
+    ("two tools of one name", chat(tools=WEATHER + WEATHER), 400, "invalid_value", "tools"),
+    ("tool_choice naming no function", chat(tools=WEATHER, tool_choice={"type": "function"}), 400, "invalid_value",
+     "tool_choice"),
+    ("allowed_tools naming an unknown tool", chat(tools=WEATHER, tool_choice={"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "nope"}}]}}), 400, "invalid_value",
+     "tool_choice"),
+    ("response_format schema the validator rejects", chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "banana"}}}), 400, "invalid_value", "response_format"),
 ]
 
 

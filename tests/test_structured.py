@@ -9,6 +9,7 @@ import json
 import pytest
 
 from ensemble_core import Ensemble, InvalidOptionError, Member
+from ensemble_core.constraints.grammar import tool_call_constraint
 from ensemble_core.constraints.schemas import closed_schema, schema_sketch
 from ensemble_core.constraints.structured import (
     ANSWER_INSTRUCTIONS,
@@ -23,7 +24,7 @@ from ensemble_core.constraints.structured import (
     structured_request,
     with_instructions,
 )
-from ensemble_core.errors import InvalidSchemaError, UnknownToolError
+from ensemble_core.errors import ConstraintError, InputError, InvalidSchemaError, UnknownToolError
 from ensemble_core.testing import tiny_member
 
 TOOLS = [{"type": "function", "function": {
@@ -60,6 +61,41 @@ def test_requests_are_validated_with_typed_errors() -> None:
         structured_request(None, None, "json")
     with pytest.raises(InvalidOptionError, match="tool_choice"):
         structured_request(None, "required")
+
+
+def test_tool_choice_forms_and_tool_errors_name_their_field() -> None:
+    """OpenAI's ``tool_choice`` forms (a mapping that names no function was read as ``"auto"``: a forced call
+    passed as prose), and every tool error names the request field it is about (the server's ``param``)."""
+    responses_form = structured_request(TOOLS, {"type": "function", "name": "multiply"})
+    assert responses_form.choice == "multiply" and len(responses_form.tools) == 2
+    only = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "weather"}}]}}
+    allowed = structured_request(TOOLS, only)
+    assert allowed.choice == "required" and [t["name"] for t in allowed.tools] == ["weather"] and allowed.forced_call
+    auto = structured_request(TOOLS, {"type": "allowed_tools", "allowed_tools": {"tools": [{"type": "function",
+                                                                                          "name": "multiply"}]}})
+    assert auto.choice == "auto" and [t["name"] for t in auto.tools] == ["multiply"]
+    assert tool_call_constraint(TOOLS, only).schema["properties"]["name"] == {"const": "weather"}  # one tool: no anyOf
+
+    def field_of(tools: object = TOOLS, choice: object = None, response_format: object = None) -> str | None:
+        with pytest.raises((InputError, InvalidOptionError)) as err:
+            structured_request(tools, choice, response_format)
+        return err.value.option if isinstance(err.value, InvalidOptionError) else err.value.param
+
+    for bad_choice in ({"type": "function"}, {}, {"type": "custom", "custom": {"name": "multiply"}},
+                       {"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": only["allowed_tools"]["tools"]}},
+                       {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}}, 7):
+        assert field_of(choice=bad_choice) == "tool_choice", bad_choice
+    assert field_of(choice={"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "lookup"}}]}}) == "tool_choice"  # UnknownToolError
+    assert field_of(choice="lookup") == "tool_choice"
+    assert field_of([{"type": "function", "function": {"parameters": {}}}]) == "tools"
+    assert field_of([{"name": "f", "parameters": {"type": "string"}}]) == "tools"  # arguments are one object
+    assert field_of([{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "banana"}}}}]) == "tools"
+    with pytest.raises(ConstraintError, match="unique; repeated: multiply"):  # whatever the choice, auto too
+        structured_request(TOOLS + TOOLS[:1])
+    assert field_of(TOOLS + TOOLS[:1]) == "tools"
+    assert field_of(None, None, {"type": "json_schema", "json_schema": {"schema": {"type": "banana"}}}) == "response_format"
 
 
 def test_a_schema_the_grammar_cannot_compile_is_refused_before_decoding(pair: list[Member]) -> None:

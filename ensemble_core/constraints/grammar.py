@@ -70,7 +70,7 @@ from ensemble_core.constraints.repetition import (
     text_factors,
 )
 from ensemble_core.constraints.schemas import map_subschemas
-from ensemble_core.constraints.structured import StructuredRequest, structured_request
+from ensemble_core.constraints.structured import StructuredRequest, structured_request, tool_choice_parts, unique_names
 from ensemble_core.constraints.tool_parsers import located, tool_parameters
 from ensemble_core.errors import (
     ConstraintError,
@@ -231,9 +231,11 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], choice: str | Mappi
 
     ``tools`` are OpenAI-style specs (``{"type": "function", "function": {"name",
     "description", "parameters"}}``) or the bare function dicts. ``choice`` is None,
-    ``"any"`` or ``"required"`` (a call of any of the tools), a tool name, or
-    ``{"type": "function", "function": {"name": ...}}``. ``"auto"`` and ``"none"`` are not
-    constraints (the model may answer in prose) and raise: do not constrain those requests.
+    ``"any"`` or ``"required"`` (a call of any of the tools), a tool name,
+    ``{"type": "function", "function": {"name": ...}}``, or ``{"type": "allowed_tools", "allowed_tools":
+    {"mode": "required", "tools": [...]}}`` (a call of one of those; :func:`~.structured.tool_choice_parts`).
+    ``"auto"`` and ``"none"`` are not constraints (the model may answer in prose) and raise: do not
+    constrain those requests.
 
     Arguments may hold only the parameters a tool declares (``additionalProperties`` is set
     to false where the tool's schema does not say): a function cannot accept others.
@@ -241,19 +243,17 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], choice: str | Mappi
     specs = [_tool_spec(t) for t in tools]
     if not specs:
         raise ConstraintError("tool_call_constraint needs at least one tool. Pass tools=[...] or do not constrain.")
-    names = [s["name"] for s in specs]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConstraintError(f"Tool names must be unique; repeated: {', '.join(duplicates)}. Rename or drop the copies.")
-    if isinstance(choice, Mapping):
-        choice = (choice.get("function") or {}).get("name") or choice.get("name")
+    names = unique_names(specs)
+    choice, allowed = tool_choice_parts(choice)
     if choice in ("auto", "none"):
         raise ConstraintError(f"tool_choice={choice!r} does not require a tool call, so there is nothing to constrain. "
                               "Decode without a constraint, or pass choice='required' or a tool name.")
-    if choice not in (None, "any", "required"):
-        if choice not in names:
-            raise UnknownToolError(str(choice), names)
-        specs = [s for s in specs if s["name"] == choice]
+    wanted = allowed or (() if choice in (None, "any", "required") else (choice,))
+    for name in wanted:
+        if name not in names:
+            raise UnknownToolError(str(name), names)
+    if wanted:
+        specs = [s for s in specs if s["name"] in wanted]
     return JsonConstraint(call_schema(specs))
 
 

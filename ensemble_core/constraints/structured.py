@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,7 @@ from ensemble_core.constraints.tool_parsers import (
     schema_validator,
 )
 from ensemble_core.constraints.triggers import call_parts, closed_value, find_text_trigger, trigger_tail
-from ensemble_core.errors import InputError, InvalidOptionError
+from ensemble_core.errors import ConstraintError, InputError, InvalidOptionError, UnknownToolError
 
 __all__ = [
     "ANSWER_INSTRUCTIONS", "CALL_TAG", "CallDelta", "JSON_INSTRUCTIONS", "SCHEMA_INSTRUCTIONS", "TOOL_CHOICES",
@@ -118,7 +119,65 @@ def function_spec(tool: Any, index: int = 0) -> dict[str, Any]:
     params = spec.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, Mapping):
         raise InputError(f"Tool {spec['name']!r} has parameters of type {type(params).__name__}: pass a JSON Schema dict.")
+    kind = params.get("type", "object")
+    if kind != "object" and (kind in ("string", "number", "integer", "boolean", "array", "null") or isinstance(kind, list)):
+        # a call's arguments are a JSON object (OpenAI requires "type": "object" here): a string or array schema
+        # would compile into a grammar whose calls no reader could accept as arguments
+        raise InputError(f"Tool {spec['name']!r} has parameters of type {kind!r}: a call's arguments "
+                         "are one JSON object; pass {'type': 'object', 'properties': {...}} (a single value as one "
+                         "property).")
     return {"name": spec["name"], "description": str(spec.get("description") or ""), "parameters": dict(params)}
+
+
+def unique_names(specs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The tools' names, checked to be unique (a call names its tool: two tools of one name cannot be told apart)."""
+    names = [s["name"] for s in specs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConstraintError(f"Tool names must be unique; repeated: {', '.join(duplicates)}. Rename or drop the copies.")
+    return names
+
+
+#: What ``tool_choice`` may be (named in its errors).
+TOOL_CHOICE_FORMS = ("'auto', 'none', 'required', 'any', a tool name, {'type': 'function', 'function': {'name': ...}} "
+                     "or {'type': 'allowed_tools', 'allowed_tools': {'mode': 'auto' | 'required', 'tools': [...]}}")
+
+
+def tool_choice_parts(tool_choice: Any) -> tuple[Any, tuple[str, ...] | None]:
+    """OpenAI's ``tool_choice`` forms → (the choice: None, a mode or a tool name; the allowed tools' names or None).
+
+    A string stands as it is; ``{"type": "function", "function": {"name": ...}}`` (Chat Completions) and
+    ``{"type": "function", "name": ...}`` (Responses) name one tool; ``{"type": "allowed_tools", "allowed_tools":
+    {"mode": "auto" | "required", "tools": [...]}}`` keeps ``mode`` over the named tools only. Any other mapping (no
+    name, a custom tool) raises: read as ``"auto"`` it would let a forced call pass as prose.
+    """
+    if not isinstance(tool_choice, Mapping):
+        return tool_choice, None
+    kind = tool_choice.get("type", "function")
+    if kind == "allowed_tools":
+        inner = tool_choice.get("allowed_tools")
+        mode = inner.get("mode", "auto") if isinstance(inner, Mapping) else None
+        tools = inner.get("tools") if isinstance(inner, Mapping) else None
+        if mode not in ("auto", "required") or not isinstance(tools, Sequence) or isinstance(tools, (str, Mapping)):
+            raise InvalidOptionError("tool_choice", tool_choice, TOOL_CHOICE_FORMS)
+        names = tuple(named_function(t) for t in tools)
+        if not names or not all(names):
+            raise InvalidOptionError("tool_choice", tool_choice, "allowed_tools.tools as a non-empty list of "
+                                     "{'type': 'function', 'function': {'name': ...}}")
+        return mode, names
+    name = named_function(tool_choice) if kind == "function" else None
+    if not name:
+        raise InvalidOptionError("tool_choice", tool_choice, TOOL_CHOICE_FORMS)
+    return name, None
+
+
+def named_function(tool: Any) -> str | None:
+    """The function name in ``{"type": "function", "function": {"name": ...}}`` or ``{"type": "function", "name": ...}``."""
+    if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+        return None
+    inner = tool.get("function")
+    name = inner.get("name") if isinstance(inner, Mapping) else tool.get("name")
+    return name if isinstance(name, str) and name else None
 
 
 def schema_of(response_format: Any) -> dict[str, Any] | None:
@@ -161,27 +220,41 @@ def structured_request(tools: Any = None, tool_choice: Any = None, response_form
     """
     if tools is not None and (isinstance(tools, (str, Mapping)) or not isinstance(tools, Sequence)):
         raise InvalidOptionError("tools", tools, "a list of tool specs")
-    specs = tuple(function_spec(t, i) for i, t in enumerate(tools or ()))
-    names = [s["name"] for s in specs]
-    if isinstance(tool_choice, Mapping):
-        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-    choice = "auto" if tool_choice is None else tool_choice
-    if not isinstance(choice, str):
-        raise InvalidOptionError("tool_choice", tool_choice, "'auto', 'none', 'required', 'any' or a tool name")
-    if choice not in TOOL_CHOICES:
-        if choice not in names:
-            from ensemble_core.errors import UnknownToolError
-
-            raise UnknownToolError(choice, names)
-    if choice in ("required", "any") and not specs:
-        raise InvalidOptionError("tool_choice", tool_choice, "'auto' or 'none' when no tools are given")
+    with about("tools"):
+        specs = tuple(function_spec(t, i) for i, t in enumerate(tools or ()))
+        names = unique_names(specs)
+        ToolSet(specs).check()
+    with about("tool_choice"):
+        choice, allowed = tool_choice_parts(tool_choice)
+        choice = "auto" if choice is None else choice
+        if not isinstance(choice, str):
+            raise InvalidOptionError("tool_choice", tool_choice, TOOL_CHOICE_FORMS)
+        for name in allowed or (() if choice in TOOL_CHOICES else (choice,)):
+            if name not in names:
+                raise UnknownToolError(name, names)
+        if allowed is not None:
+            specs = tuple(s for s in specs if s["name"] in allowed)
+        if choice in ("required", "any") and not specs:
+            raise InvalidOptionError("tool_choice", tool_choice, "'auto' or 'none' when no tools are given")
     if choice == "any":
         choice = "required"
-    schema = schema_of(response_format)
-    ToolSet(specs).check()
-    if schema is not None:
-        schema_validator(schema or _ANY_OBJECT, "response_format")
+    with about("response_format"):
+        schema = schema_of(response_format)
+        if schema is not None:
+            schema_validator(schema or _ANY_OBJECT, "response_format")
     return StructuredRequest(specs, choice, schema)
+
+
+@contextmanager
+def about(param: str) -> Iterator[None]:
+    """Input errors raised inside name the request field ``param`` (:attr:`~ensemble_core.errors.InputError.param`,
+    the server's error's ``param``), unless they already name one."""
+    try:
+        yield
+    except InputError as e:
+        if e.param is None:
+            e.param = param
+        raise
 
 
 def tool_instructions(request: StructuredRequest) -> str:

@@ -106,7 +106,8 @@ class GenerationConfig:
         if self.temperature == 0:
             object.__setattr__(self, "do_sample", False)
         check_number("top_p", self.top_p, 0, 1, above=True)
-        check_int("seed", self.seed, optional=True, expected="an integer or None")
+        check_int("seed", self.seed, -2**63, 2**64 - 1, optional=True,  # what torch's generators take
+                  expected="None or an integer that fits in 64 bits (-2**63 to 2**64 - 1)")
         request = structured_request(self.tools, self.tool_choice, self.response_format)
         if self.tools is not None:
             object.__setattr__(self, "tools", tuple(self.tools))

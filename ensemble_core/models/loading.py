@@ -284,9 +284,35 @@ _LOAD_LOCK = threading.Lock()
 LOAD_SECONDS: dict[str, float] = {}
 
 
+def device_problem(device: str) -> str | None:
+    """Why ``device`` (a valid torch device string) cannot hold a member in this process, or None.
+
+    Checked when a member loads, where it loads (a Ray actor's node may have the GPU its driver lacks), and
+    before the weights are read: torch would fail only in ``model.to(...)``, after the load, with an
+    assertion ("Torch not compiled with CUDA enabled") that names no fix.
+    """
+    where = torch.device(device)
+    if where.type == "cpu":
+        return None
+    if where.type == "meta":
+        return "a meta device holds no weights to compute with"
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or accelerator.type != where.type:
+        have = f"this torch build's accelerator is {accelerator.type!r}" if accelerator is not None else (
+            f"this torch build ({torch.__version__}) sees no accelerator")
+        return f"no {where.type!r} device is available: {have}"
+    count = torch.accelerator.device_count()
+    if where.index is not None and where.index >= count:
+        return f"{where.type}:{where.index} does not exist: {count} {where.type} device(s), numbered from 0"
+    return None
+
+
 def _load_objects(spec: MemberSpec) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    problem = None if spec.device is None else device_problem(spec.device)
+    if problem is not None:
+        raise InvalidOptionError("device", spec.device, f"a device this process has ({problem}); 'cpu' always works")
     target, gguf_file, alias = _resolve_source(str(spec.source))
     dtype = _resolve_dtype(spec.dtype, spec.device)
     local = isinstance(target, Path)

@@ -85,8 +85,6 @@ log = logging.getLogger("ensemble_core.server")
 #: Standard options that have their own top-level field: not accepted inside the ``ensemble`` extension.
 TOP_LEVEL_OPTIONS = frozenset({"temperature", "max_tokens", "max_new_tokens", "top_p", "seed", "stop", "do_sample",
                                "tools", "tool_choice", "response_format"})
-#: Core errors about one request field (matched by name: the structured-output errors are recent).
-ERROR_PARAMS = {"UnknownToolError": "tool_choice", "InvalidSchemaError": "response_format"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: openai-python retries 408/409/429/5xx unless told not to: a deterministic failure would only repeat.
 NO_RETRY = {"x-should-retry": "false"}
@@ -111,7 +109,7 @@ def api_error(exc: BaseException, input_param: str = "messages") -> ApiError:
     if isinstance(exc, UnsupportedContentError):
         return ApiError(400, str(exc), param=input_param, code="unsupported_content")
     if isinstance(exc, InputError):
-        return ApiError(400, str(exc), param=ERROR_PARAMS.get(type(exc).__name__, input_param), code="invalid_value")
+        return ApiError(400, str(exc), param=exc.param or input_param, code="invalid_value")
     if isinstance(exc, InvalidOptionError):
         return ApiError(400, str(exc), param=exc.option, code="invalid_value")
     if isinstance(exc, ConfigurationError):
