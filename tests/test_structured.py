@@ -92,10 +92,20 @@ def test_tool_choice_forms_and_tool_errors_name_their_field() -> None:
     assert field_of([{"type": "function", "function": {"parameters": {}}}]) == "tools"
     assert field_of([{"name": "f", "parameters": {"type": "string"}}]) == "tools"  # arguments are one object
     assert field_of([{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "banana"}}}}]) == "tools"
-    with pytest.raises(ConstraintError, match="unique; repeated: multiply"):  # whatever the choice, auto too
-        structured_request(TOOLS + TOOLS[:1])
-    assert field_of(TOOLS + TOOLS[:1]) == "tools"
     assert field_of(None, None, {"type": "json_schema", "json_schema": {"schema": {"type": "banana"}}}) == "response_format"
+
+
+def test_two_tools_of_one_name_are_refused_when_a_request_starts_whatever_the_choice(pair: list[Member]) -> None:
+    """Bound, they pass (LangChain's standard tests bind a pydantic model next to its JSON Schema); a request that
+    reads calls, forced or ``auto``, refuses them before decoding (``auto`` took the first spec's schema before)."""
+    twice = TOOLS + TOOLS[:1]
+    assert structured_request(twice, "required").choice == "required"
+    ens = Ensemble(pair, method="single", max_new_tokens=4)
+    for choice in ("required", "auto", "multiply"):
+        with pytest.raises(ConstraintError, match="unique; repeated: multiply") as err:
+            ens.generate("hi", tools=twice, tool_choice=choice)
+        assert err.value.param == "tools"
+    assert ens.generate("hi", tools=twice, tool_choice="none").finish_reason in ("stop", "length")  # nothing read
 
 
 def test_a_schema_the_grammar_cannot_compile_is_refused_before_decoding(pair: list[Member]) -> None:

@@ -107,6 +107,7 @@ from ensemble_core.constraints.grammar import (
     compile_for_member,
 )
 from ensemble_core.constraints.repetition import LoopPenalty
+from ensemble_core.constraints.structured import unique_names
 from ensemble_core.constraints.triggers import (
     CALL_SHAPES,
     FORMATS,
@@ -283,7 +284,10 @@ def lazy_calls(request: Any, messages: Sequence[Mapping[str, Any]], exclude_repe
         return None
     if request.choice == "none":
         return LazyCalls(tuple(request.tools), forbid=True)
-    if request.choice != "auto" or not enabled:
+    if request.choice != "auto":
+        return None
+    unique_names(request.tools)  # as a forced call's grammar does (a call names its tool)
+    if not enabled:
         return None
     answer = None if request.schema is None else JsonConstraint(request.schema or None)
     return LazyCalls(tuple(request.tools), excluded=answered_calls(messages) if exclude_repeated else (), answer=answer)

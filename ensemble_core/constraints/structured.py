@@ -130,11 +130,18 @@ def function_spec(tool: Any, index: int = 0) -> dict[str, Any]:
 
 
 def unique_names(specs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The tools' names, checked to be unique (a call names its tool: two tools of one name cannot be told apart)."""
+    """The tools' names, checked to be unique (a call names its tool: two tools of one name cannot be told apart).
+
+    Checked when a request whose calls are read starts (a forced call's grammar, ``auto``'s lazy grammar), not
+    when tools are bound: LangChain's standard tests bind a pydantic model next to its own JSON Schema (one name,
+    two specs) and expect ``bind_tools`` to take them.
+    """
     names = [s["name"] for s in specs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ConstraintError(f"Tool names must be unique; repeated: {', '.join(duplicates)}. Rename or drop the copies.")
+        error = ConstraintError(f"Tool names must be unique; repeated: {', '.join(duplicates)}. Rename or drop the copies.")
+        error.param = "tools"
+        raise error
     return names
 
 
@@ -222,7 +229,7 @@ def structured_request(tools: Any = None, tool_choice: Any = None, response_form
         raise InvalidOptionError("tools", tools, "a list of tool specs")
     with about("tools"):
         specs = tuple(function_spec(t, i) for i, t in enumerate(tools or ()))
-        names = unique_names(specs)
+        names = [s["name"] for s in specs]
         ToolSet(specs).check()
     with about("tool_choice"):
         choice, allowed = tool_choice_parts(tool_choice)
