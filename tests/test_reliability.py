@@ -172,6 +172,19 @@ def test_reliability_options_are_checked(option: str, value: object) -> None:
         SafeConfig(**{option: value})
 
 
+@pytest.mark.parametrize("method", [SafeEnsemble, EveryTokenEnsemble, SpecEMEnsemble, GenerateThenSelect])
+def test_weights_naming_no_member_fail_at_construction(tiny_pair: list[Member], method: type) -> None:
+    """Not at the first request (the names are known when the method is built)."""
+    with pytest.raises(InvalidOptionError, match="reliability_weights.*unknown: qwen"):
+        method(tiny_pair, reliability_weights={"qwen": 2})
+    with pytest.raises(InvalidOptionError, match="reliability_weights.*one per member"):
+        method(tiny_pair, reliability_weights=[1, 2, 3])
+    if method in (SafeEnsemble, EveryTokenEnsemble):  # the fusing methods take fusion_weights too
+        with pytest.raises(InvalidOptionError, match="fusion_weights.*unknown: qwen"):
+            method(tiny_pair, fusion_weights={"qwen": 2})
+    assert method(tiny_pair, reliability_weights={tiny_pair[0].name: 2}).members == tiny_pair
+
+
 def test_weights_of_a_subset_and_uniform_starts() -> None:
     w = Weights((0.2, 0.0, 0.8), "prior")
     assert w.of([0, 2]) == pytest.approx([0.2, 0.8]) and w.of([1]) == [1.0]

@@ -15,7 +15,7 @@ from ensemble_core.decoding.generation import Chunk, EnsembleMethod, GenerationC
 from ensemble_core.decoding.rows import next_row
 from ensemble_core.decoding.stats import MemberStats, TokenLevelStats
 from ensemble_core.decoding.view import MemberView, start_views
-from ensemble_core.methods.reliability import Votes, member_weights
+from ensemble_core.methods.reliability import Votes, check_weights, member_weights
 from ensemble_core.options import FusionOptions, ReliabilityOptions, check_int, sub_token_rule
 from ensemble_core.text.alignment import DEFAULT_MARGIN
 from ensemble_core.text.chat import Prompt
@@ -92,6 +92,7 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
 
     def __init__(self, members: Any, config: EveryTokenConfig | None = None, **options: Any) -> None:
         super().__init__(members, config, **options)
+        check_weights(self.members, self.config)  # fail at construction, not at the first request
         self._fusions: dict[tuple[str, int, str], Distribution] = {}
 
     def begin(self, prompt: Prompt, config: EveryTokenConfig) -> _EveryTokenRequest:

@@ -15,7 +15,7 @@ from ensemble_core.decoding.lookup import guesses_now
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import GenerateThenSelectStats, MemberStats, roles
 from ensemble_core.decoding.view import MemberView, start_views
-from ensemble_core.methods.reliability import Votes, member_weights
+from ensemble_core.methods.reliability import Votes, check_weights, member_weights
 from ensemble_core.methods.selection import (
     Candidate,
     SelectionConfig,
@@ -66,6 +66,7 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
     def __init__(self, members: list[Member], config: SelectionConfig | None = None, **options: Any) -> None:
         super().__init__(members, config, **options)
         resolve_roles(self.members, self.config)  # fail at construction, not at the first request
+        check_weights(self.members, self.config)
 
     def begin(self, prompt: Prompt, config: SelectionConfig) -> _SelectRequest:
         drafters, verifiers = resolve_roles(self.members, config)

@@ -183,6 +183,13 @@ def member_weights(members: Sequence[Member], config: Any, prompt: Prompt | None
     return Weights(tuple(prior_weights(members, config.template_penalty, uses_tools(config, prompt))), "prior")
 
 
+def check_weights(members: Sequence[Member], config: Any) -> None:
+    """Raise now (a method's construction) what :func:`member_weights` would raise at the first request:
+    ``fusion_weights`` / ``reliability_weights`` that name no member, or give another count than the members."""
+    if getattr(config, "fusion_weights", None) is not None or getattr(config, "reliability_weights", None) is not None:
+        member_weights(members, config)
+
+
 @dataclass
 class Votes:
     """One request's weights and wins, reported per member in the stats (:meth:`annotate`).

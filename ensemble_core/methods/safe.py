@@ -66,7 +66,7 @@ from ensemble_core.decoding.rows import window_probs
 from ensemble_core.decoding.stats import MemberStats, SafeStats
 from ensemble_core.decoding.view import MemberView, start_views
 from ensemble_core.errors import InvalidOptionError
-from ensemble_core.methods.reliability import Votes, Weights, member_weights
+from ensemble_core.methods.reliability import Votes, Weights, check_weights, member_weights
 from ensemble_core.options import (
     FusionOptions,
     PromptLookupOptions,
@@ -255,6 +255,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
     def __init__(self, members: Any, config: SafeConfig | None = None, **options: Any) -> None:
         super().__init__(members, config, **options)
         self._check_drafter(self.config)
+        check_weights(self.members, self.config)  # fail at construction, not at the first request
         self._fusions: dict[tuple[str, int, str], Distribution] = {}
 
     def _check_drafter(self, config: SafeConfig) -> None:

@@ -54,7 +54,7 @@ from ensemble_core.decoding.lookup import guesses_now
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import MemberStats, SpecEMStats, roles
 from ensemble_core.decoding.view import MemberView, start_views
-from ensemble_core.methods.reliability import Votes, member_weights
+from ensemble_core.methods.reliability import Votes, check_weights, member_weights
 from ensemble_core.methods.selection import (
     Candidate,
     SelectionConfig,
@@ -181,6 +181,7 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
     def __init__(self, members: Sequence[Member], config: SpecEMConfig | None = None, **options: Any) -> None:
         super().__init__(members, config, **options)
         resolve_roles(self.members, self.config)  # fail at construction, not at the first request
+        check_weights(self.members, self.config)
 
     def begin(self, prompt: Prompt, config: SpecEMConfig) -> SpecEMRequest:
         drafters, verifiers = resolve_roles(self.members, config)
