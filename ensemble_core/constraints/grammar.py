@@ -70,14 +70,19 @@ from ensemble_core.constraints.repetition import (
     text_factors,
 )
 from ensemble_core.constraints.schemas import map_subschemas
-from ensemble_core.constraints.structured import StructuredRequest, structured_request, tool_choice_parts, unique_names
+from ensemble_core.constraints.structured import (
+    StructuredRequest,
+    chosen_names,
+    structured_request,
+    tool_choice_parts,
+    unique_names,
+)
 from ensemble_core.constraints.tool_parsers import located, tool_parameters
 from ensemble_core.errors import (
     ConstraintError,
     InvalidOptionError,
     InvalidSchemaError,
     MissingDependencyError,
-    UnknownToolError,
     UnsupportedSchemaFeatureError,
     UnsupportedTokenizerError,
 )
@@ -248,10 +253,7 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], choice: str | Mappi
     if choice in ("auto", "none"):
         raise ConstraintError(f"tool_choice={choice!r} does not require a tool call, so there is nothing to constrain. "
                               "Decode without a constraint, or pass choice='required' or a tool name.")
-    wanted = allowed or (() if choice in (None, "any", "required") else (choice,))
-    for name in wanted:
-        if name not in names:
-            raise UnknownToolError(str(name), names)
+    wanted = chosen_names(choice, allowed, names)
     if wanted:
         specs = [s for s in specs if s["name"] in wanted]
     return JsonConstraint(call_schema(specs))

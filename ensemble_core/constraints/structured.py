@@ -178,6 +178,16 @@ def tool_choice_parts(tool_choice: Any) -> tuple[Any, tuple[str, ...] | None]:
     return name, None
 
 
+def chosen_names(choice: Any, allowed: tuple[str, ...] | None, names: Sequence[str]) -> tuple[str, ...]:
+    """The tools a choice (:func:`tool_choice_parts`) narrows a request to, each among ``names`` (an
+    :class:`~ensemble_core.errors.UnknownToolError` otherwise); empty: a mode over all of them."""
+    wanted = allowed or (() if choice is None or choice in TOOL_CHOICES else (choice,))
+    for name in wanted:
+        if name not in names:
+            raise UnknownToolError(str(name), list(names))
+    return wanted
+
+
 def named_function(tool: Any) -> str | None:
     """The function name in ``{"type": "function", "function": {"name": ...}}`` or ``{"type": "function", "name": ...}``."""
     if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
@@ -236,9 +246,7 @@ def structured_request(tools: Any = None, tool_choice: Any = None, response_form
         choice = "auto" if choice is None else choice
         if not isinstance(choice, str):
             raise InvalidOptionError("tool_choice", tool_choice, TOOL_CHOICE_FORMS)
-        for name in allowed or (() if choice in TOOL_CHOICES else (choice,)):
-            if name not in names:
-                raise UnknownToolError(name, names)
+        chosen_names(choice, allowed, names)  # a named tool stays among the others (its grammar narrows)
         if allowed is not None:
             specs = tuple(s for s in specs if s["name"] in allowed)
         if choice in ("required", "any") and not specs:
