@@ -213,6 +213,7 @@ class EnsembleMethod(ABC, Generic[C]):
             )
         base = config if config is not None else self.config_class()
         self.config: C = base.replace(**options) if options else base  # type: ignore[assignment]
+        self.check(self.config)  # a bad option fails when the method is built, not at the first request
         #: Shares forward passes between concurrent requests (None: each request decodes alone);
         #: see :mod:`ensemble_core.decoding.scheduler` and :meth:`set_batching`.
         self.batcher: Batcher | None = Batcher(BatchingConfig())
@@ -220,6 +221,11 @@ class EnsembleMethod(ABC, Generic[C]):
     def set_batching(self, config: BatchingConfig) -> None:
         """Turn cross-request batching on (with ``config``'s limits) or off (``enabled=False``)."""
         self.batcher = Batcher(config) if config.enabled else None
+
+    def check(self, config: C) -> None:
+        """Raise what ``config`` cannot run on these members (a member index or name out of range, weights
+        given for other members), as :meth:`begin` would at the first request. Called when the method is
+        built; the config a request brings (per-call overrides) is checked where :meth:`begin` reads it."""
 
     # ------------------------------------------------------------ to implement
     @abstractmethod

@@ -92,8 +92,10 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
 
     def __init__(self, members: Any, config: EveryTokenConfig | None = None, **options: Any) -> None:
         super().__init__(members, config, **options)
-        check_weights(self.members, self.config)  # fail at construction, not at the first request
         self._fusions: dict[tuple[str, int, str], Distribution] = {}
+
+    def check(self, config: EveryTokenConfig) -> None:
+        check_weights(self.members, config)
 
     def begin(self, prompt: Prompt, config: EveryTokenConfig) -> _EveryTokenRequest:
         key = (config.distribution, config.top_k, sub_token_rule(config))

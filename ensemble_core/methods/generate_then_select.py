@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from ensemble_core.decoding.generation import Chunk, EnsembleMethod
 from ensemble_core.decoding.lookup import guesses_now
-from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import GenerateThenSelectStats, MemberStats, roles
 from ensemble_core.decoding.view import MemberView, start_views
 from ensemble_core.methods.reliability import Votes, check_weights, member_weights
@@ -63,10 +61,9 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
     config_class = SelectionConfig
     min_members = 2
 
-    def __init__(self, members: list[Member], config: SelectionConfig | None = None, **options: Any) -> None:
-        super().__init__(members, config, **options)
-        resolve_roles(self.members, self.config)  # fail at construction, not at the first request
-        check_weights(self.members, self.config)
+    def check(self, config: SelectionConfig) -> None:
+        resolve_roles(self.members, config)
+        check_weights(self.members, config)
 
     def begin(self, prompt: Prompt, config: SelectionConfig) -> _SelectRequest:
         drafters, verifiers = resolve_roles(self.members, config)

@@ -254,13 +254,12 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
 
     def __init__(self, members: Any, config: SafeConfig | None = None, **options: Any) -> None:
         super().__init__(members, config, **options)
-        self._check_drafter(self.config)
-        check_weights(self.members, self.config)  # fail at construction, not at the first request
         self._fusions: dict[tuple[str, int, str], Distribution] = {}
 
-    def _check_drafter(self, config: SafeConfig) -> None:
+    def check(self, config: SafeConfig) -> None:
         if config.drafter is not None and config.drafter >= len(self.members):
             raise InvalidOptionError("drafter", config.drafter, f"a member index in 0..{len(self.members) - 1}")
+        check_weights(self.members, config)
 
     def drafter_index(self, config: SafeConfig, weights: Weights | None = None) -> int:
         """``config.drafter``, or (None) the member with the largest reliability weight (the first on a tie;
@@ -287,7 +286,7 @@ class SafeEnsemble(EnsembleMethod[SafeConfig]):
 
     # ------------------------------------------------------------------ request
     def begin(self, prompt: Prompt, config: SafeConfig) -> SafeRequest:
-        self._check_drafter(config)
+        self.check(config)
         fusion = self.fusion(config.distribution, config.top_k, sub_token_rule(config))
         weights = member_weights(self.members, config, prompt)  # fusion_weights, reliability_weights, the prior or uniform
         drafter = self.drafter_index(config, weights)

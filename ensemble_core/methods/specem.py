@@ -47,11 +47,9 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ensemble_core.decoding.generation import Chunk, EnsembleMethod
 from ensemble_core.decoding.lookup import guesses_now
-from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import MemberStats, SpecEMStats, roles
 from ensemble_core.decoding.view import MemberView, start_views
 from ensemble_core.methods.reliability import Votes, check_weights, member_weights
@@ -178,10 +176,9 @@ class SpecEMEnsemble(EnsembleMethod[SpecEMConfig]):
     config_class = SpecEMConfig
     min_members = 2
 
-    def __init__(self, members: Sequence[Member], config: SpecEMConfig | None = None, **options: Any) -> None:
-        super().__init__(members, config, **options)
-        resolve_roles(self.members, self.config)  # fail at construction, not at the first request
-        check_weights(self.members, self.config)
+    def check(self, config: SpecEMConfig) -> None:
+        resolve_roles(self.members, config)
+        check_weights(self.members, config)
 
     def begin(self, prompt: Prompt, config: SpecEMConfig) -> SpecEMRequest:
         drafters, verifiers = resolve_roles(self.members, config)
