@@ -7,6 +7,7 @@ Everything runs on tiny random-weight members with the real tokenizers.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,24 @@ def test_the_distribution_name_is_ours_everywhere() -> None:
             if path.is_file() and path.suffix in (".md", ".py", ".toml", ".ipynb") and "__pycache__" not in path.parts:
                 assert taken not in path.read_text(encoding="utf-8"), path
     assert f'pip install "{name}[langchain]"' in (REPO / "README.md").read_text()
+
+
+#: A repository path in backticks (``ensemble_core/decoding/slab.py``, ``tests/data/rag``, ``docs/results/x-*``).
+DOC_PATH = re.compile(r"`((?:ensemble_core|integrations|tests|docs|notebooks)/[A-Za-z0-9_./*\-]+)")
+
+
+def test_every_repository_path_the_docs_name_exists() -> None:
+    """A page that names a moved or deleted file sends the reader nowhere (an audit found eight such paths
+    after modules moved into packages). A line that says the file was removed may name it."""
+    pages = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "integrations").rglob("README.md")]
+    missing = []
+    for page in pages:
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            for match in DOC_PATH.finditer(line):
+                path = match.group(1).rstrip(".")
+                if "removed" not in line and not list(REPO.glob(path)):
+                    missing.append(f"{page.relative_to(REPO)}:{number}: {path}")
+    assert not missing, "\n".join(missing)
 
 
 # --------------------------------------------------------------------------- 2. constructor keywords

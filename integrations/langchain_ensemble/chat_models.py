@@ -343,8 +343,9 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
         """One chunk per committed text delta, then a closing chunk with usage and metadata.
 
         The core's :meth:`~ensemble_core.serving.runtime.Run.replies` decides what is shown when:
-        with tools bound, text that is (or may still become) a tool call is held back and the
-        calls arrive in the closing chunk's ``tool_call_chunks``. ``run_manager`` is given only on
+        with tools bound, text that is (or may still become) a tool call is held back, and a call's
+        ``tool_call_chunks`` arrive while it is decoded (:func:`~langchain_ensemble.messages.lc_call_deltas`).
+        ``run_manager`` is given only on
         paths where LangChain does not report tokens itself (``stream()`` reports each yielded
         chunk), so each chunk is reported once.
         """

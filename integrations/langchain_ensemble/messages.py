@@ -21,7 +21,6 @@ turns the core's :class:`~ensemble_core.constraints.structured.StructuredOutput`
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,7 +46,7 @@ _TOOL_CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_cal
 #: OpenAI Responses' ``function_call``): also carried by ``AIMessage.tool_calls``.
 _PROVIDER_CALL_BLOCKS = frozenset({"tool_use", "server_tool_use", "function_call"})
 
-__all__ = ["UnsupportedContentError", "lc_call_deltas", "lc_tool_call_chunks", "lc_tool_calls", "message_role",
+__all__ = ["UnsupportedContentError", "lc_call_deltas", "lc_tool_calls", "message_role",
            "reply_content", "to_core_messages"]
 #: Qwen2.5-style templates open a call with this tag; text from it on is never streamed as content.
 
@@ -130,17 +129,3 @@ def lc_call_deltas(calls: Sequence[CallDelta]) -> list[ToolCallChunk]:
     it in ``invalid_tool_calls`` instead of completing its partial JSON into a call.
     """
     return [tool_call_chunk(name=c.name, args=c.arguments or None, id=c.id, index=c.index) for c in calls]
-
-
-def lc_tool_call_chunks(output: StructuredOutput | None) -> list[ToolCallChunk]:
-    """A stream's ``tool_call_chunks``: each parsed call whole, in one chunk (``index`` = its position).
-
-    Unparseable calls are not sent as chunks: LangChain reads a chunk's arguments leniently
-    (partial JSON is completed), which would turn a call cut by the token budget into an
-    executable one. Their text stays in the content, and the closing chunk's
-    ``response_metadata["invalid_tool_calls"]`` lists them.
-    """
-    if output is None:
-        return []
-    return [tool_call_chunk(name=c.name, args=json.dumps(c.arguments, ensure_ascii=False), id=c.id, index=i)
-            for i, c in enumerate(output.tool_calls)]
