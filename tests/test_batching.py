@@ -98,6 +98,22 @@ def test_concurrent_single_requests_share_forward_passes(llama: Member) -> None:
     assert calls * 3 <= rows, (calls, rows)  # 8 requests in lock step: about one call per token for all of them
 
 
+@pytest.mark.parametrize("rows", [None, 2])
+def test_a_failing_prompt_cancels_the_rest_of_its_batch(rows: int | None, llama: Member) -> None:
+    """An empty prompt among long answers raised only after all of them had been decoded (and thrown
+    away); now the others stop after their round and those not yet started never start (passes counted:
+    the two answers alone take ~2 x 200). With ``max_batch_rows=2`` the empty prompt waits for a worker
+    beside one running answer; the answers after it never start."""
+    batching = {"max_batch_rows": rows} if rows else True
+    ens = Ensemble([llama], method="single", max_new_tokens=200, batching=batching)
+    with pytest.raises(InputError, match="empty"):
+        ens.batch([PROMPTS[1], "", PROMPTS[2], PROMPTS[3]])
+    stats = ens.method.batcher.stats
+    assert stats.rows < 60 and ens.method.batcher.requests == 0, stats
+    after = ens.batch(PROMPTS[1:4])  # still serves; and the answers cut short above are long ones
+    assert [r.finish_reason for r in after] == ["length"] * 3
+
+
 @pytest.mark.parametrize("method", ["safe", "specem"])
 def test_prompt_lookup_guesses_only_while_few_requests_decode(method: str, llama: Member, gemma: Member) -> None:
     """Guessed tokens are compute in a batched pass (8 SAFE requests lost throughput with them),

@@ -15,7 +15,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
@@ -298,13 +298,24 @@ class EnsembleMethod(ABC, Generic[C]):
         With batching on they run concurrently, one worker thread per prompt (at most
         ``max_batch_rows`` at a time), and share their forward passes, which the model runner
         computes (:mod:`~ensemble_core.decoding.runner`); otherwise one after another. The first
-        error raised by any prompt is raised here.
+        error raised by any prompt is raised here, as soon as it is raised: the other prompts are
+        cancelled after the round they are in and those not yet started never start (their answers
+        would be thrown away; an empty prompt among 300-token answers raised after all of them).
         """
         if self.batcher is None or len(prompts) < 2:
             return [self.generate(p, **overrides) for p in prompts]
         workers = min(len(prompts), self.batcher.config.max_batch_rows)
+        cancel = threading.Event()
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ensemble-batch") as pool:
-            return list(pool.map(lambda p: self.generate(p, **overrides), prompts))
+            futures = [pool.submit(self.generate, p, cancel, **overrides) for p in prompts]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception() is not None), None)
+            if failed is not None:
+                cancel.set()
+                for f in futures:
+                    f.cancel()
+                raise failed.exception()  # type: ignore[misc]
+            return [f.result() for f in futures]
 
 
 def _holdback(text: str, stops: Sequence[str]) -> int:
