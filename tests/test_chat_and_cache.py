@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ensemble_core import InputError, Member, normalize_messages
+from ensemble_core import InputError, Member, UnsupportedContentError, normalize_messages
 from ensemble_core.testing import tiny_member
 from ensemble_core.text.chat import FALLBACK_TEMPLATE, render_chat
 
@@ -25,6 +25,22 @@ def test_normalize_merges_roles_and_systems() -> None:
 def test_bad_messages(bad) -> None:
     with pytest.raises(InputError):
         normalize_messages(bad)
+
+
+def test_a_refusal_part_is_text_and_an_unknown_part_is_named() -> None:
+    """OpenAI returns an assistant's refusal as a ``refusal`` content part, and its clients send the history
+    back: that is text (it was refused as a non-text medium). A part type nobody knows is refused by name,
+    not described as an image."""
+    history = [{"role": "user", "content": "Tell me a secret."},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't share that."}]},
+               {"role": "user", "content": "Then a joke."}]
+    assert normalize_messages(history)[1] == {"role": "assistant", "content": "I can't share that."}
+    with pytest.raises(UnsupportedContentError, match="'weird', which the ensemble does not know"):
+        normalize_messages([{"role": "user", "content": [{"type": "weird", "x": 1}]}])
+    with pytest.raises(UnsupportedContentError, match="'input_audio' content part; the ensemble members are text-only"):
+        normalize_messages([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}])
+    with pytest.raises(InputError, match="'refusal' part whose 'refusal' is NoneType"):
+        normalize_messages([{"role": "assistant", "content": [{"type": "refusal"}]}, {"role": "user", "content": "x"}])
 
 
 def test_each_member_uses_its_own_format(tiny_llama: Member, tiny_gemma: Member) -> None:

@@ -10,10 +10,11 @@ The adapters (LangChain, LlamaIndex, the server) only translate their framework'
 message objects into the plain dicts described at :func:`normalize_messages`; every
 decision below is made here, once:
 
-* **Content** is a string or a list of parts. Text parts are joined with ``"\\n"`` (as
-  vLLM's OpenAI-compatible server joins text parts); reasoning / thinking parts and
-  provider hints (cache points) are dropped, because local chat templates do not replay
-  them; any other part (image, audio, file) raises :class:`UnsupportedContentError`.
+* **Content** is a string or a list of parts. Text parts (an OpenAI ``refusal`` part too) are
+  joined with ``"\\n"`` (as vLLM's OpenAI-compatible server joins text parts); reasoning /
+  thinking parts and provider hints (cache points) are dropped, because local chat templates
+  do not replay them; any other part (image, audio, file, or a type not known here) raises
+  :class:`UnsupportedContentError`.
 * **Roles**: ``system``, ``user``, ``assistant``, ``tool``. System messages are joined into
   one leading system message, consecutive user or assistant messages are joined with a
   blank line (many templates insist on alternating turns); tool results are never merged.
@@ -40,8 +41,13 @@ Prompt = Union[str, Sequence[Message]]
 ROLES = ("system", "user", "assistant", "tool")
 #: Other names of those roles: OpenAI's ``developer`` messages are system messages to these models.
 ROLE_ALIASES = {"developer": "system"}
-#: Content parts that carry text.
-TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+#: Content parts that carry text, and the key that holds it (an OpenAI assistant's ``refusal`` part is
+#: text its client sends back in the history).
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+#: Content parts of other media (OpenAI's, LangChain's standard blocks, LlamaIndex's): text-only
+#: members cannot read them.
+MEDIA_PARTS = frozenset({"image", "image_url", "input_image", "audio", "input_audio", "file", "input_file", "video",
+                         "video_url", "document", "text-plain"})
 #: Content parts that are dropped: earlier reasoning is not replayed, cache points are provider hints.
 DROPPED_PARTS = frozenset({"reasoning", "thinking", "redacted_thinking", "cache_point", "cache_control"})
 #: How text parts of one message are joined.
@@ -98,18 +104,26 @@ def content_text(content: Any, where: str) -> str:
             continue
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind in TEXT_PARTS:
-            text = part.get("text")
+            key = TEXT_PARTS[kind]
+            text = part.get(key)
             if not isinstance(text, str):
-                raise InputError(f"{where}, part {j} is a text part whose 'text' is {type(text).__name__}, not a string.")
+                raise InputError(f"{where}, part {j} is a {kind!r} part whose {key!r} is {type(text).__name__}, "
+                                 "not a string.")
             texts.append(check_text(text, f"{where}, part {j}"))
         elif kind in DROPPED_PARTS:
             continue
         elif kind is None:
             raise InputError(f"{where}, part {j} is {part!r}: content parts are strings or mappings with a 'type'.")
-        else:
+        elif kind in MEDIA_PARTS:
             raise UnsupportedContentError(
                 f"{where} holds a {kind!r} content part; the ensemble members are text-only models. "
                 "Pass text content (a string or 'text' parts), or describe / transcribe the other content first."
+            )
+        else:
+            raise UnsupportedContentError(
+                f"{where}, part {j} has the content part type {kind!r}, which the ensemble does not know. Text "
+                f"parts are {sorted(TEXT_PARTS)} (read), {sorted(DROPPED_PARTS)} are dropped, and media parts "
+                "cannot be read by its text-only members: pass the text as a string or a 'text' part."
             )
     return PART_SEPARATOR.join(texts)
 
