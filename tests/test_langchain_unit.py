@@ -293,7 +293,20 @@ async def test_llm_async_paths(pair) -> None:
     streaming = EnsembleLLM(members=pair, method="single", max_tokens=5, streaming=True)
     counter = TokenCounter()
     assert await streaming.abatch(["Hello", "Hello"], config={"callbacks": [counter]}) == [text, text]
-    assert "".join(counter.tokens) == text * 2
+    assert sorted(counter.tokens) == sorted(pieces * 2)  # the two run concurrently: their tokens interleave
+
+
+def test_llm_batch_runs_prompts_concurrently_with_an_error_per_item(pair) -> None:
+    """``BaseLLM.batch`` sent every prompt to one ``generate``: one after another, and with
+    ``return_exceptions=True`` one empty prompt came back as the error of every item."""
+    llm = EnsembleLLM(members=pair, method="single", max_tokens=5)
+    text = llm.invoke("Hello")
+    out = llm.batch(["Hello", "", "Hello"], return_exceptions=True)
+    assert out[0] == out[2] == text and isinstance(out[1], InputError)
+    batcher = llm._core_ensemble().method.batcher
+    before = batcher.stats.batched_calls
+    assert len(llm.batch(["Hello", "Bye", "Hello"], max_tokens=40)) == 3
+    assert batcher.stats.batched_calls > before  # their passes were shared
 
 
 async def test_async_paths_match_sync(chat) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from langchain_core.runnables import Runnable
 
 from ensemble_core import Ensemble, GenerationResult
 from ensemble_core.serving.runtime import Run
@@ -38,10 +39,21 @@ def _llm_output(results: list[GenerationResult], model_name: str) -> dict[str, A
 class EnsembleLLM(EnsembleFields, BaseLLM):
     """A text-completion model backed by an ensemble (see :class:`ChatEnsemble` for the options).
 
-    ``generate`` / ``batch`` over several prompts run them one after another on the shared
-    ensemble, as the core's ``batch`` does. ``_stream`` reports every chunk to
+    ``batch`` / ``abatch`` run each prompt as its own ``invoke``, concurrently (``Runnable.batch``, as
+    :class:`ChatEnsemble` does), so the core shares their forward passes and, with
+    ``return_exceptions=True``, one bad prompt is its own item's error. (``BaseLLM.batch`` sends all
+    prompts to one ``generate``: they ran one after another, and one prompt's error was every item's.)
+    ``generate`` over several prompts runs them one after another. ``_stream`` reports every chunk to
     ``on_llm_new_token`` itself, because ``BaseLLM.stream`` does not.
     """
+
+    def batch(self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False,
+              **kwargs: Any) -> list[str]:
+        return Runnable.batch(self, inputs, config, return_exceptions=return_exceptions, **kwargs)
+
+    async def abatch(self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False,
+                     **kwargs: Any) -> list[str]:
+        return await Runnable.abatch(self, inputs, config, return_exceptions=return_exceptions, **kwargs)
 
     @property
     def _llm_type(self) -> str:
