@@ -15,6 +15,7 @@ Only argparse: the command adds no dependency.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import shlex
@@ -83,9 +84,18 @@ def _read_prompt(args: argparse.Namespace) -> Any:
         return args.prompt
     path = Path(args.chat_file)
     try:
-        messages = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except OSError as exc:
         raise InputError(f"Cannot read the chat file {path}: {exc}") from exc
+    try:
+        text = raw.decode("utf-8-sig")  # a UTF-8 BOM (PowerShell's `Out-File -Encoding utf8`) is fine
+    except UnicodeDecodeError as exc:
+        utf16 = raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+        why = "it is UTF-16, which Windows PowerShell 5's `>` writes" if utf16 else str(exc)
+        raise InputError(f"The chat file {path} is not UTF-8 text ({why}). Save it as UTF-8: in PowerShell "
+                         "`... | Out-File -Encoding utf8 FILE`, elsewhere `iconv -t UTF-8`.") from exc
+    try:
+        messages = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"The chat file {path} is not JSON ({exc}); it must hold a list of "
                          "{'role', 'content'} messages.") from exc
@@ -113,6 +123,33 @@ def generate_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
+def _emit(text: str, end: str = "\n") -> bool:
+    """Print ``text`` to stdout at once; False when its reader has gone (a BrokenPipeError: ``... | head``)."""
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:
+        return False
+    return True
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout closed it (``ensemble generate --stream ... | head -c 20``): exit quietly.
+
+    stdout now points at os.devnull, so that Python's flush of the unwritten rest at exit does not
+    raise again ("Exception ignored ... BrokenPipeError"; the idiom of the Python docs' note on
+    SIGPIPE). The status is 141 (128 + SIGPIPE), what a shell reports for ``cat``, ``seq`` or
+    ``yes`` in the same pipeline, which die of SIGPIPE: not 0, because the output was cut short,
+    and not 1 or 2, which mean a failure or bad input.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is no file descriptor (replaced in-process): nothing will flush to it
+        pass
+    return 141  # 128 + SIGPIPE (13)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     config = generate_config(args)
@@ -122,16 +159,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stream:
         stream = ensemble.stream(prompt)
         for delta in stream:
-            print(delta, end="", flush=True)
-        print()
+            if not _emit(delta, end=""):  # the reader went away (`| head`): stop the generation, not run it to its end
+                stream.cancel()
+                for _ in stream:  # ends at the next round with finish_reason "cancelled"
+                    pass
+                return _stdout_closed()
+        if not _emit(""):
+            return _stdout_closed()
         result = stream.result
     else:
         result = ensemble.generate(prompt)
-        print(result.text)
+        if not _emit(result.text):
+            return _stdout_closed()
     if args.json:
-        print(json.dumps({"text": result.text, "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
-                          "completion_tokens": result.completion_tokens, "seconds": result.seconds,
-                          "time_to_first_chunk": result.time_to_first_chunk, "stats": result.stats.as_dict()}, default=repr))
+        if not _emit(json.dumps({"text": result.text, "finish_reason": result.finish_reason,
+                                 "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                                 "seconds": result.seconds, "time_to_first_chunk": result.time_to_first_chunk,
+                                 "stats": result.stats.as_dict()}, default=repr)):
+            return _stdout_closed()
     elif not args.quiet:
         print(f"\n[{ensemble.name}: {result.seconds:.2f} s, {result.completion_tokens} tokens, finish={result.finish_reason}]",
               file=sys.stderr)
@@ -161,6 +206,7 @@ def _index_subset(text: str) -> tuple[int, ...]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ensemble_core.bench import ALL_METHODS, BenchOptions, run_bench
+    from ensemble_core.bench.runner import check_writable
 
     members = list(args.members or DEFAULT_MEMBERS)
     if args.throughput:
@@ -168,7 +214,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         methods = THROUGHPUT_METHODS if args.methods == list(ALL_METHODS) else tuple(args.methods)
         out = Path(args.out if args.out != "results/bench" else "results/throughput")
-        run_throughput(ThroughputOptions(
+        throughput = ThroughputOptions(
             methods=methods, members=tuple(members), devices=tuple(args.device or ()), dtype=tuple(args.dtype),
             quantize=tuple(args.quantize or ()), prepack=prepack_flag(args.prepack), passes=args.passes,
             prefix_cache=args.prefix_cache, concurrency=tuple(args.concurrency),
@@ -177,7 +223,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             stop=tuple(args.stop) if args.stop is not None else BenchOptions.stop, out=str(out), threads=args.threads,
             warmup=not args.no_warmup, baseline_process=not args.inline_baseline, repeats=args.repeats,
             method_config=parse_sets(args.set),
-            command="ensemble " + " ".join(shlex.quote(a) for a in args.argv)))
+            command="ensemble " + " ".join(shlex.quote(a) for a in args.argv))
+        check_writable(out)  # before any model loads (run_bench checks its own folder)
+        run_throughput(throughput)
         print((out / "throughput.md").read_text(encoding="utf-8"))
         print(f"Results in {out.resolve()}")
         return 0

@@ -20,6 +20,7 @@ from ensemble_core.bench import (
     Row,
     _TextStop,
     build_rows,
+    check_available,
     cut_at_stop,
     ensemble_ratio,
     evaluate_targets,
@@ -352,6 +353,39 @@ def test_unknown_set_field_fails_early(tiny_llama, tiny_gemma, tmp_path: Path) -
     with pytest.raises(ConfigurationError, match="segmnt_length"):
         run_bench(BenchOptions(dataset="arith", limit=1, out=str(tmp_path), progress=False,
                                method_config={"*": {"segmnt_length": 3}}), members=[tiny_llama, tiny_gemma])
+
+
+@pytest.mark.parametrize(("sets", "methods", "says"), [
+    (["specem.segment_lenght=8"], ["specem"], "Unknown option(s) segment_lenght for SpecEMConfig"),  # a prefixed typo
+    (["specem.segment_length=0"], ["specem"], "Invalid value for 'segment_length'"),  # a bad value: not a skipped row
+    (["nosuch=1"], ["single"], "none of the benchmarked methods takes a method config"),
+    (["segment_length=8"], ["single", "safe"], "Unknown option(s) segment_length for --set"),  # no requested method has it
+    (["max_new_tokens=8"], ["safe"], "use --max-new-tokens instead"),  # it would clash with the row's own
+    (["specme.segment_length=8"], ["specem"], "'--set prefix'"),
+])
+def test_cli_bench_set_nothing_would_use_exits_2_before_loading(sets: list[str], methods: list[str], says: str,
+                                                                 tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    argv = ["bench", "--members", "no-such-model", "--dataset", "arith", "--limit", "1", "--out", str(out)]
+    assert main([*argv, *[a for s in sets for a in ("--set", s)], "--methods", *methods]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and "Unknown member" not in err
+    assert not out.exists()  # refused before the results folder is made and any member loads
+    # a plain key applies to each requested method that has the field: safe takes lookahead, specem need not
+    check_available(BenchOptions(methods=("single", "safe", "specem"), method_config={"*": {"lookahead": 4}}))
+
+
+@pytest.mark.parametrize("kind", ["file", "under-a-file"])
+def test_cli_bench_out_that_cannot_be_written_exits_2_before_loading(kind: str, tmp_path: Path, capsys) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder", encoding="utf-8")
+    out = taken if kind == "file" else taken / "results"
+    for extra in ([], ["--throughput", "--methods", "single"]):
+        assert main(["bench", "--members", "no-such-model", "--dataset", "arith", "--limit", "1", "--out", str(out),
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: Cannot write the results to {out}: ") and "Traceback" not in err, err
+    assert taken.read_text(encoding="utf-8") == "not a folder"
 
 
 @pytest.mark.real

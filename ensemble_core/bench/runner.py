@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import errno
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -233,28 +235,52 @@ def method_overrides(method: str, method_config: Mapping[str, Mapping[str, Any]]
 
 def check_method_config(method_config: Mapping[str, Mapping[str, Any]], methods: Sequence[str],
                         prefixes: Sequence[str]) -> None:
-    """Raise early for ``--set`` entries nothing would use (a typo would otherwise be silent):
-    a plain key that no config of ``methods`` has, or a ``method.`` prefix outside ``prefixes``."""
-    for key, values in method_config.items():
-        if key == "*":
-            known: set[str] = set()
-            for m in methods:
-                try:
-                    known |= config_fields(m)
-                except ConfigurationError:
-                    continue
-            unknown = sorted(set(values) - known)
-            if unknown and known:
-                raise ConfigurationError(
-                    f"--set {', '.join(unknown)}: no benchmarked method has such a config field; "
-                    f"known: {', '.join(sorted(known))}.")
-        elif key not in prefixes:
+    """Raise early for ``--set`` entries nothing would use or no config accepts (a typo would otherwise be silent):
+
+    * a ``method.`` prefix outside ``prefixes``;
+    * a plain key that no config of ``methods`` has (also when none of them takes a config);
+    * a name or a value that the config of ``methods`` or of a prefix refuses, by the configs' own
+      check (:meth:`GenerationConfig.replace`, as ``ensemble generate`` and ``serve`` check ``--set``).
+
+    A method that is not available in this installation is left out (its row says so when it runs).
+    """
+    for key in method_config:
+        if key != "*" and key not in prefixes:
             raise InvalidOptionError("--set prefix", key, "a method name among " + ", ".join(prefixes))
+    plain = method_config.get("*", {})
+    available: list[str] = []
+    known: set[str] = set()
+    for m in methods:
+        try:
+            known |= config_fields(m)
+        except ConfigurationError:
+            continue
+        available.append(m)
+    unknown = sorted(set(plain) - known)
+    if unknown and not methods:
+        raise ConfigurationError(
+            f"--set {', '.join(unknown)}: none of the benchmarked methods takes a method config (the single rows run "
+            "each member through transformers' generate). Drop --set, or add an ensemble method to --methods.")
+    if unknown and available:
+        raise ConfigurationError(
+            f"Unknown option(s) {', '.join(unknown)} for --set: no benchmarked method ({', '.join(available)}) has "
+            f"such a config field; known: {', '.join(sorted(known))}.")
+    for m in dict.fromkeys([*available, *(k for k in method_config if k != "*")]):
+        try:
+            config_class = method_class(m).config_class
+        except ConfigurationError:
+            continue
+        config_class().replace(**method_overrides(m, method_config))
 
 
 def check_available(options: BenchOptions) -> None:
-    """Raise early for ``--set`` entries no requested method uses (the single rows run the
-    members through transformers directly: no method config reaches them)."""
+    """Raise early for ``--set`` entries no requested method uses or accepts (the single rows run the
+    members through transformers directly: no method config reaches them), and for the options that
+    the command sets for every row itself."""
+    for name, flag in (("max_new_tokens", "--max-new-tokens"), ("stop", "--stop")):
+        if any(name in values for values in options.method_config.values()):
+            raise ConfigurationError(f"--set {name}: the benchmark sets {name} for every row itself; "
+                                     f"use {flag} instead (it applies to the single rows too).")
     check_method_config(options.method_config, [m for m in options.methods if m != "single"], ALL_METHODS[1:])
 
 
@@ -343,6 +369,20 @@ def _warm_up(rows: list[Row]) -> None:
             print(f"warm-up of {row.label} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
+def check_writable(out: Path) -> None:
+    """Create the results folder ``out`` and make sure a file can be written there, before any model loads."""
+    try:
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "it is an existing file, not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename and str(exc.filename) != str(out) else ""
+        raise ConfigurationError(f"Cannot write the results to {out}: {where}{exc.strerror or exc}. "
+                                 "Pass --out a folder that can be created and written to.") from exc
+
+
 def run_bench(options: BenchOptions, members: list[Member] | None = None) -> dict[str, Any]:
     """Run the benchmark described by ``options`` and write every artefact; returns the summary."""
     from tqdm.auto import tqdm
@@ -351,7 +391,7 @@ def run_bench(options: BenchOptions, members: list[Member] | None = None) -> dic
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out)
     problems = load_dataset(options.dataset, options.limit, options.offset, options.data_path)
     n_shots = options.shots if options.shots is not None else DEFAULT_SHOTS.get(options.dataset, 0)
     shots: list[Problem] = []

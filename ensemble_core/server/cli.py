@@ -32,6 +32,18 @@ TINY_OPTIONS: dict[str, Any] = {"initializer_range": 0.2, "tie_word_embeddings":
 THREADS_ENV = "ENSEMBLE_THREADS"
 
 
+def tcp_port(text: str) -> int:
+    """argparse type of ``--port``: a TCP port number, 0..65535 (0: any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: give a whole number from 1 to 65535 "
+                                         "(or 0 for any free port)")
+    return value
+
+
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``serve`` flags to ``p`` (used by ``ensemble serve`` and ``python -m ensemble_core.server``)."""
     from ensemble_core.ensemble import DEFAULT_MEMBERS
@@ -47,7 +59,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="method config default, e.g. --set lookahead=3 --set max_new_tokens=128 (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port; the address is printed)")
+    p.add_argument("--port", type=tcp_port, default=8000, help="TCP port (0: any free port; the address is printed)")
     p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                    help="extra names accepted in 'model' and listed by /v1/models")
     p.add_argument("--api-key", default=os.environ.get("ENSEMBLE_API_KEY"),
