@@ -208,7 +208,9 @@ class MemberUnavailableError(EnsembleError, RuntimeError):
     ``member`` and ``node`` say which one and where; ``reason`` what happened. The request
     that hit it cannot continue (the member's decoding state is gone or in doubt), but the
     actor is restarted by Ray (``max_restarts``) and reloads its model, so retrying the
-    request is the fix for a one-off failure.
+    request is the fix for a one-off failure (the default ``fix``). An actor dead for good
+    (no restart left, or of an earlier Ray session) gets its own ``fix``: build the Ensemble
+    again, which places a fresh actor.
     """
 
     def __init__(self, member: str, node: str, reason: str, fix: str | None = None) -> None:

@@ -3,8 +3,9 @@
 The cluster is ``ray.cluster_utils.Cluster`` with two nodes of one CPU each, each with a
 custom resource (``node_a`` / ``node_b``) that pins one bundled member to it. Greedy
 outputs must equal the local members' exactly (the recorded ones of ``tests/golden``); a member killed mid-generation must raise
-the typed error (never hang) and the next request must work after Ray restarts it; and
-100 requests must leave no decoding state behind in the actors.
+the typed error (never hang) and the next request must work after Ray restarts it; a member
+whose actor is dead for good (or of an earlier Ray session) must say so, and a new Ensemble of
+it must get a fresh actor; and 100 requests must leave no decoding state behind in the actors.
 
 Ray is a dev dependency: a missing Ray fails this module, it is never skipped.
 """
@@ -26,6 +27,7 @@ from ray.cluster_utils import Cluster
 from ensemble_core import Ensemble, Member
 from ensemble_core.errors import ConfigurationError, MemberUnavailableError
 from ensemble_core.remote import RayMemberSpec, RayOptions, RemoteMember
+from ensemble_core.remote import cluster as remote_cluster
 
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
 import record  # noqa: E402
@@ -218,3 +220,65 @@ def test_missing_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # what an installation without Ray looks like to `import ray`
     with pytest.raises(MissingDependencyError, match=r"pip install 'tokensemble\[ray\]'"):
         import_ray()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_llama: Member, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight SmolLM2-shaped model on disk: an actor of it starts in seconds."""
+    path = tmp_path_factory.mktemp("ray") / "tiny-llama"
+    tiny_llama.model.save_pretrained(path)
+    tiny_llama.tokenizer.save_pretrained(path)
+    return path
+
+
+def _tiny_ensemble(path: Path) -> Ensemble:
+    # no CPU of its own (the fixture pair holds both nodes' CPUs); no restart: a kill is for good
+    member = RayMemberSpec(str(path), num_cpus=0, max_restarts=0)
+    return Ensemble([member], method="single", max_new_tokens=3, ray_options=OPTIONS)
+
+
+def _wait_dead(handle: object) -> None:
+    """Until this process's Ray knows the actor is dead (a direct call fails with ``ActorDiedError``)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ray.get(handle.held.remote(), timeout=5)
+        except ray.exceptions.ActorDiedError:
+            return
+        except ray.exceptions.RayError:
+            pass
+        assert time.monotonic() < deadline, "Ray never reported the killed actor dead"
+        time.sleep(0.1)
+
+
+def test_actor_dead_for_good_says_so_and_a_new_ensemble_places_afresh(cluster: Cluster, tiny_dir: Path) -> None:
+    with _tiny_ensemble(tiny_dir) as first:
+        expected = first.generate("Hi").text
+        dead = first.members[0].link
+        ray.kill(dead.handle, no_restart=True)
+        _wait_dead(dead.handle)
+        with _tiny_ensemble(tiny_dir) as second:  # not the dead actor (acquire's probe finds it dead): a fresh one
+            assert second.members[0].link is not dead
+            assert second.generate("Hi").text == expected
+            for _ in range(2):  # the old ensemble keeps the dead actor, and says so every time
+                with pytest.raises(MemberUnavailableError) as caught:
+                    first.generate("Hi")
+                message = str(caught.value)
+                assert caught.value.member == "tiny-llama" and "died for good" in message
+                assert "Build the Ensemble again" in message and "Retry" not in message and "decoding state" not in message
+            print(f"\ndead actor: {message}")
+    assert not [p for p in remote_cluster._PLACED.values() if p.spec.source == str(tiny_dir)]  # all released
+
+
+def test_a_new_ray_session_places_afresh(cluster: Cluster, tiny_dir: Path) -> None:
+    """Last in this file: joining the cluster again ends this process's actors (the fixture pair's too)."""
+    old = _tiny_ensemble(tiny_dir)
+    expected = old.generate("Hi").text
+    ray.shutdown()  # without old.close()
+    ray.init(address=cluster.address)
+    with pytest.raises(MemberUnavailableError, match="earlier Ray session.*Build the Ensemble again"):
+        old.generate("Hi")
+    with _tiny_ensemble(tiny_dir) as new:
+        assert new.members[0].link is not old.members[0].link
+        assert new.generate("Hi").text == expected
+    old.close()

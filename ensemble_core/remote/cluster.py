@@ -4,7 +4,9 @@ Ray is imported here only, and only when a Ray member is built (:func:`import_ra
 the library keeps working without it. A member actor is shared by every ensemble of the
 process that asks for the same model on the same resources, like local weights
 (``members._LOADED``); :func:`release` drops one reference and kills the actor with the
-last one.
+last one. A shared actor that is dead for good (killed, or its restarts used up) or
+belongs to an earlier Ray session (``ray.shutdown()`` and a new ``ray.init()``) is never
+handed out again: :func:`acquire` places a fresh one instead.
 
 :class:`ActorLink` is the one place that waits for an actor. Every ``ray.get`` has a
 timeout, and every failure becomes a typed error naming the member, its node and what to
@@ -33,6 +35,22 @@ from ensemble_core.remote.options import RayMemberSpec, RayOptions
 _LOCK = threading.Lock()
 #: How often a call that found its actor restarting asks again (within ``call_timeout_s``).
 RESTART_POLL_S = 0.25
+#: How long :func:`acquire` waits for a shared actor's answer to a liveness probe (a dead actor's
+#: fails at once; a busy one's is not awaited: busy counts as alive).
+PROBE_S = 0.05
+#: Why an actor is gone for good, and what to do (retrying on it cannot work): no restart left...
+DIED = "died for good (killed, or its restarts, RayOptions.max_restarts, used up)"
+DEAD_FIX = (
+    "Build the Ensemble again: a new Ensemble of this member places a fresh actor and loads the model there. "
+    "If it keeps dying, look at the node (`ray status`, `ray logs`; out of memory is the usual cause) or raise "
+    "RayOptions.max_restarts."
+)
+#: ... or placed in an earlier Ray session (its handle means nothing in this one).
+STALE = "belongs to an earlier Ray session (ray.shutdown() / a new ray.init() since it was placed)"
+STALE_FIX = (
+    "Build the Ensemble again: a new Ensemble of this member places a fresh actor in the Ray this process is "
+    "joined to now (close() ensembles before ray.shutdown() to free their actors)."
+)
 
 
 def import_ray() -> Any:
@@ -56,6 +74,16 @@ def connect(options: RayOptions) -> Any:
                 # "local": a new Ray of this process, even if `ray start` runs on this machine (join that with "auto")
                 ray.init(address="local", include_dashboard=False, object_store_memory=options.object_store_memory, **kwargs)
     return ray
+
+
+def session_of(ray: Any) -> tuple[str, ...] | None:
+    """Which Ray connection this process has now (GCS address, node, job): a new ``ray.init()`` changes it,
+    even of the same cluster (a new job). None where Ray cannot say (Ray Client)."""
+    try:
+        context = ray.get_runtime_context()
+        return (str(context.gcs_address), str(context.get_node_id()), str(context.get_job_id()))
+    except Exception:
+        return None
 
 
 @dataclass
@@ -87,12 +115,17 @@ class ActorLink:
     def __init__(self, ray: Any, handle: Any, name: str, options: RayOptions) -> None:
         self.ray, self.handle, self.name, self.options = ray, handle, name, options
         self.node = "(not started)"
+        #: The Ray connection the actor was placed from (its handle means nothing in another one).
+        self.session = session_of(ray)
+        #: Why the actor is gone for good (dead, or of an earlier Ray session), once a call found out; else None.
+        self.dead: str | None = None
         self.wire = WireCounter()
         #: Measure pickled sizes of calls and answers (``RayOptions.count_bytes``; the benchmark turns it on).
         self.count_bytes = options.count_bytes
         #: State ids to free, ``threading.Event`` marks (set once everything before them is sent), None to stop.
         self._freed: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._send_lock = threading.Lock()
+        self._closed = False
         self._flusher = threading.Thread(target=self._flush_loop, name=f"free-states-{name}", daemon=True)
         self._flusher.start()
 
@@ -105,7 +138,10 @@ class ActorLink:
             return ray.get(ref, timeout=limit)
         except ray.exceptions.GetTimeoutError as exc:
             raise MemberUnavailableError(self.name, self.node, f"did not answer {what} within {limit:g} s") from exc
-        except ray.exceptions.RayActorError as exc:
+        except ray.exceptions.ActorDiedError as exc:  # no restart left (or killed with no_restart): for good
+            self.dead = DIED
+            raise self._dead_error(what) from exc
+        except ray.exceptions.RayActorError as exc:  # ActorUnavailableError: restarting or unreachable for now
             raise MemberUnavailableError(
                 self.name,
                 self.node,
@@ -121,9 +157,43 @@ class ActorLink:
                 raise cause from None
             raise
 
-    def _submit(self, method: str, *args: Any) -> Any:
-        with self._send_lock:
-            return getattr(self.handle, method).remote(*args)
+    def _dead_error(self, what: str) -> MemberUnavailableError:
+        fix = STALE_FIX if self.dead == STALE else DEAD_FIX
+        return MemberUnavailableError(self.name, self.node, f"failed during {what}: its Ray actor {self.dead}", fix)
+
+    def submit(self, method: str, *args: Any, what: str | None = None) -> Any:
+        """``handle.<method>.remote(*args)``; a call Ray refuses to send (an actor of an earlier Ray
+        session, one Ray no longer knows) as :class:`MemberUnavailableError` (``what``: the call, for it)."""
+        try:
+            with self._send_lock:
+                return getattr(self.handle, method).remote(*args)
+        except Exception as exc:
+            if self.session != session_of(self.ray):
+                self.dead = STALE
+            else:
+                self.dead = f"cannot be reached ({type(exc).__name__}: {exc})"
+            raise self._dead_error(what or method) from exc
+
+    def gone(self) -> bool:
+        """Whether the actor is dead for good or of another Ray session (one cheap look; a busy actor is alive)."""
+        if self.dead is None and self.session != session_of(self.ray):
+            self.dead = STALE
+        if self.dead is not None:
+            return True
+        ray = self.ray
+        try:
+            ref = self.submit("held")
+        except MemberUnavailableError:
+            return True
+        ready, _ = ray.wait([ref], timeout=PROBE_S)
+        if ready:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.ActorDiedError:
+                self.dead = DIED
+            except Exception:  # restarting, or any other answer: not dead for good
+                pass
+        return self.dead is not None
 
     def _until_restarted(self, ask: Callable[[], Any], what: str) -> Any:
         """``wait(ask())``, asking again while Ray restarts the actor (only for calls safe to repeat)."""
@@ -146,9 +216,9 @@ class ActorLink:
         """
         payload = (sid, list(changes), op, list(args))
         if changes and changes[0][0] == "start":
-            answer = self._until_restarted(lambda: self._submit("call", *payload), op)
+            answer = self._until_restarted(lambda: self.submit("call", *payload, what=op), op)
         else:
-            answer = self.wait(self._submit("call", *payload), op)
+            answer = self.wait(self.submit("call", *payload, what=op), op)
         if self.count_bytes:
             self.wire.add(op, len(pickle.dumps((sid, changes, op, args), protocol=5)), len(pickle.dumps(answer, protocol=5)))
         return answer
@@ -184,15 +254,18 @@ class ActorLink:
         """States the actor holds once every free queued so far has reached it."""
         mark = threading.Event()
         self._freed.put(mark)
-        mark.wait(self.options.call_timeout_s)
-        return int(self._until_restarted(lambda: self._submit("held"), "held"))
+        if not self._closed:  # a closed link's frees are not sent any more (its actor is gone)
+            mark.wait(self.options.call_timeout_s)
+        return int(self._until_restarted(lambda: self.submit("held"), "held"))
 
     def rss(self) -> int:
         """Resident memory of the actor process, in bytes."""
-        return int(self._until_restarted(lambda: self._submit("rss"), "rss"))
+        return int(self._until_restarted(lambda: self.submit("rss"), "rss"))
 
     def close(self) -> None:
-        self._freed.put(None)
+        if not self._closed:
+            self._closed = True
+            self._freed.put(None)
 
 
 @dataclass
@@ -209,15 +282,29 @@ _PLACED: dict[Hashable, Placed] = {}
 
 
 def acquire(placement: RayMemberSpec, options: RayOptions, member_options: dict[str, Any] | None = None) -> Placed:
-    """The actor for ``placement`` (placed and loaded on first use, then shared); counts one more user."""
+    """The actor for ``placement`` (placed and loaded on first use, then shared); counts one more user.
+
+    A shared actor that is gone for good (:meth:`ActorLink.gone`: dead, or of an earlier Ray
+    session) is dropped from the share, and a fresh one is placed: its remaining users keep
+    the dead one, whose calls say so.
+    """
     spec = placement.spec(**(member_options or {}))
     key = (spec, placement.placement_key(options))
-    with _LOCK:
-        placed = _PLACED.get(key)
-        if placed is not None:
-            placed.users += 1
-            return placed
     ray = connect(options)
+    while True:
+        with _LOCK:
+            placed = _PLACED.get(key)
+        if placed is None:
+            break
+        gone = placed.link.gone()  # outside the lock: it may wait PROBE_S for the actor
+        with _LOCK:
+            if _PLACED.get(key) is not placed:  # released or replaced meanwhile: look again
+                continue
+            if not gone:
+                placed.users += 1
+                return placed
+            del _PLACED[key]
+        _drop(placed)
     actor_options = placement.actor_options(options)
     handle = ray.remote(MemberActor).options(**actor_options).remote(spec, options.torch_threads)
     link = ActorLink(ray, handle, spec.name or str(spec.source), options)
@@ -248,6 +335,16 @@ def acquire(placement: RayMemberSpec, options: RayOptions, member_options: dict[
     return placed
 
 
+def _drop(placed: Placed) -> None:
+    """Stop ``placed``'s link and kill its actor (no error if it is gone already)."""
+    placed.link.close()
+    if placed.link.session == session_of(placed.link.ray):  # an earlier session's actor died with it
+        try:
+            placed.link.ray.kill(placed.link.handle, no_restart=True)
+        except Exception:  # already gone (Ray shut down, node lost)
+            pass
+
+
 def release(link: ActorLink | None = None) -> None:
     """Drop one user of ``link``'s actor (all actors when None); the last user kills it."""
     with _LOCK:
@@ -257,8 +354,4 @@ def release(link: ActorLink | None = None) -> None:
             placed.users = 0 if link is None else placed.users - 1
             if placed.users <= 0:
                 del _PLACED[key]
-                placed.link.close()
-                try:
-                    placed.link.ray.kill(placed.link.handle, no_restart=True)
-                except Exception:  # already gone (Ray shut down, node lost)
-                    pass
+                _drop(placed)

@@ -101,7 +101,7 @@ class RemoteMember(Member):
             try:
                 tokenizer = local_tokenizer(placed.spec)
             except (EnsembleError, OSError, ValueError):  # no copy of the files here: take the actor's
-                tokenizer = placed.link.wait(placed.link.handle.tokenizer.remote(), "its tokenizer")
+                tokenizer = placed.link.wait(placed.link.submit("tokenizer", what="its tokenizer"), "its tokenizer")
             spec = placed.spec
             name = spec.name or (placed.info["name"])
             return cls(placed, tokenizer, name=name, chat_template=spec.chat_template)
