@@ -37,6 +37,7 @@ from ensemble_core.errors import (
     PromptTooLongError,
     StateLostError,
     UnknownAliasError,
+    UnknownOptionError,
     UnknownToolError,
     UnsupportedAttentionError,
     UnsupportedContentError,
@@ -66,7 +67,7 @@ __all__ = [
     "ApiError", "ClientDisconnected", "ConfigurationError", "ConstraintError", "EnsembleError", "GenerationCancelled",
     "GenerationTimeout", "InputError", "InvalidOptionError", "InvalidSchemaError", "MemberUnavailableError",
     "MissingDependencyError", "ModelLoadError", "NoMembersError", "PromptTooLongError", "StateLostError",
-    "UnknownAliasError", "UnknownToolError", "UnsupportedAttentionError", "UnsupportedContentError",
+    "UnknownAliasError", "UnknownOptionError", "UnknownToolError", "UnsupportedAttentionError", "UnsupportedContentError",
     "UnsupportedModelError", "UnsupportedParameterError", "UnsupportedSchemaFeatureError", "UnsupportedTokenizerError",
     # text
     "FALLBACK_TEMPLATE", "Tokenized", "encode_continuation", "is_common_boundary", "normalize_messages", "tokenize",

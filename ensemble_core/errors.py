@@ -8,6 +8,7 @@ or one of the families (configuration, model loading, input, cancellation)::
     EnsembleError
     ├── ConfigurationError (ValueError)
     │   ├── InvalidOptionError
+    │   ├── UnknownOptionError
     │   ├── NoMembersError
     │   ├── UnsupportedAttentionError
     │   ├── UnsupportedModelError
@@ -36,7 +37,8 @@ test checks it); import them from ``ensemble_core`` or ``ensemble_core.errors``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -69,6 +71,22 @@ class InvalidOptionError(ConfigurationError):
     def __init__(self, option: str, value: object, expected: str) -> None:
         self.option, self.value, self.expected = option, value, expected
         super().__init__(f"Invalid value for {option!r}: {value!r}. Expected {expected}.")
+
+
+class UnknownOptionError(ConfigurationError):
+    """Options were named that nothing takes (a typo would otherwise be silently ignored).
+
+    The message names each, suggests the closest known name where one is close, and lists what
+    ``owner`` accepts (``accepted``: that list in words, when it is more than ``known``).
+    """
+
+    def __init__(self, names: Iterable[str], owner: str, known: Iterable[str], accepted: str | None = None) -> None:
+        self.names, self.owner, self.known = sorted(names), owner, sorted(known)
+        guesses = [f"{name} -> {match[0]}" for name in self.names
+                   if (match := difflib.get_close_matches(name, self.known, n=1, cutoff=0.75))]
+        hint = f" Did you mean: {'; '.join(guesses)}?" if guesses else ""
+        listing = accepted if accepted is not None else f"Known: {', '.join(self.known)}."
+        super().__init__(f"Unknown option(s) {', '.join(self.names)} for {owner}.{hint} {listing}")
 
 
 class NoMembersError(ConfigurationError):

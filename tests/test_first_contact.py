@@ -29,6 +29,7 @@ from ensemble_core import (
     Member,
     NoMembersError,
     UnknownAliasError,
+    UnknownOptionError,
 )
 from ensemble_core.models import loading as members
 from ensemble_core.testing import tiny_member
@@ -84,6 +85,19 @@ def test_llamaindex_accepts_the_usual_names_and_rejects_the_rest(pair: list[Memb
         EnsembleLLM(members=pair, foo=1)
     with pytest.raises(ConfigurationError, match="exceeds the smallest member window"):
         EnsembleLLM(members=pair, context_window=10**6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda pair: Ensemble(pair, method="safe", lookahed=3),
+    lambda pair: Ensemble(pair, method="safe").generate("Hi", lookahed=3),
+    lambda pair: ChatEnsemble(members=pair, method="safe", lookahed=3),
+    lambda pair: ChatEnsemble(members=pair, method="safe").invoke("Hi", lookahed=3),
+    lambda pair: EnsembleLLM(members=pair, method="safe", lookahed=3),
+])
+def test_a_mistyped_option_is_refused_with_the_name_meant(pair: list[Member], make: Any) -> None:
+    """Every layer refuses an option nothing takes with one error class that names the closest option."""
+    with pytest.raises(UnknownOptionError, match="Unknown option.*lookahed.*Did you mean: lookahed -> lookahead"):
+        make(pair)
 
 
 @pytest.mark.parametrize("make", [

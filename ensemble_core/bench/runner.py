@@ -29,7 +29,7 @@ from ensemble_core.bench.targets import evaluate_targets
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.stats import MemberStats, RequestStats
 from ensemble_core.ensemble import DEFAULT_MEMBERS, Ensemble, resolve_members
-from ensemble_core.errors import ConfigurationError, EnsembleError, InvalidOptionError
+from ensemble_core.errors import ConfigurationError, EnsembleError, InvalidOptionError, UnknownOptionError
 from ensemble_core.methods import METHODS, config_fields, method_class
 from ensemble_core.models.loading import per_member_options
 from ensemble_core.text.alignment import decode
@@ -262,9 +262,8 @@ def check_method_config(method_config: Mapping[str, Mapping[str, Any]], methods:
             f"--set {', '.join(unknown)}: none of the benchmarked methods takes a method config (the single rows run "
             "each member through transformers' generate). Drop --set, or add an ensemble method to --methods.")
     if unknown and available:
-        raise ConfigurationError(
-            f"Unknown option(s) {', '.join(unknown)} for --set: no benchmarked method ({', '.join(available)}) has "
-            f"such a config field; known: {', '.join(sorted(known))}.")
+        raise UnknownOptionError(unknown, "--set", known, f"No benchmarked method ({', '.join(available)}) has such "
+                                 f"a config field; known: {', '.join(sorted(known))}.")
     for m in dict.fromkeys([*available, *(k for k in method_config if k != "*")]):
         try:
             config_class = method_class(m).config_class

@@ -33,7 +33,7 @@ from ensemble_core.decoding.members import DecodeState, Member
 from ensemble_core.decoding.runner import quiet
 from ensemble_core.decoding.scheduler import Batcher, BatchingConfig, Binding, bound
 from ensemble_core.decoding.stats import RequestStats
-from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
+from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError, UnknownOptionError
 from ensemble_core.options import check_bool, check_int, check_number, next_post_init
 from ensemble_core.text.alignment import REPLACEMENT_CHAR
 from ensemble_core.text.chat import Prompt
@@ -134,9 +134,7 @@ class GenerationConfig:
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise ConfigurationError(
-                f"Unknown option(s) {', '.join(unknown)} for {type(self).__name__}; known: {', '.join(sorted(known))}."
-            )
+            raise UnknownOptionError(unknown, type(self).__name__, known)
         return dataclasses.replace(self, **{k: v for k, v in overrides.items()})
 
 

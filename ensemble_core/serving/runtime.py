@@ -45,7 +45,13 @@ from ensemble_core.constraints.structured import CallDelta, ReplyStream, Structu
 from ensemble_core.decoding.generation import GenerationConfig, GenerationResult
 from ensemble_core.decoding.members import Member
 from ensemble_core.ensemble import Ensemble
-from ensemble_core.errors import ConfigurationError, GenerationCancelled, GenerationTimeout, InvalidOptionError
+from ensemble_core.errors import (
+    ConfigurationError,
+    GenerationCancelled,
+    GenerationTimeout,
+    InvalidOptionError,
+    UnknownOptionError,
+)
 from ensemble_core.methods import config_fields as config_fields_of
 from ensemble_core.models.loading import MemberSpec
 from ensemble_core.options import is_number
@@ -129,10 +135,8 @@ def call_overrides(options: Mapping[str, Any], config: GenerationConfig, owner: 
             isinstance(x, str) for x in stops) else stop
     unknown = sorted(set(opts) - fields)
     if unknown:
-        raise ConfigurationError(
-            f"Unknown option(s) {', '.join(unknown)} for {owner}. Accepted: "
-            f"{', '.join(STANDARD_OPTIONS)} and the method's config fields ({', '.join(sorted(fields))})."
-        )
+        raise UnknownOptionError(unknown, owner, {*STANDARD_OPTIONS, *fields}, f"Accepted: {', '.join(STANDARD_OPTIONS)} "
+                                 f"and the method's config fields ({', '.join(sorted(fields))}).")
     out.update(opts)
     try:
         config.replace(**out)
@@ -160,10 +164,8 @@ def collect_method_options(data: Mapping[str, Any], known: set[str] | frozenset[
     fields = config_fields_of(method) - set(reserved)
     unknown = sorted(set(extra) - fields)
     if unknown:
-        raise ConfigurationError(
-            f"Unknown option(s) {', '.join(unknown)} for {owner}. Options: {', '.join(sorted(known))}; "
-            f"and the {method!r} config fields: {', '.join(sorted(fields))}."
-        )
+        raise UnknownOptionError(unknown, owner, {*known, *fields}, f"Options: {', '.join(sorted(known))}; "
+                                 f"and the {method!r} config fields: {', '.join(sorted(fields))}.")
     method_config = dict(data.get("method_config") or {})
     for key, value in extra.items():
         if key in method_config and method_config[key] != value:
