@@ -11,7 +11,7 @@ import torch
 from ensemble_core import Ensemble, GenerationConfig, InvalidOptionError, Member
 from ensemble_core.bench.host_reads import HostReads
 from ensemble_core.decoding.generation import Chunk, EnsembleMethod, _holdback
-from ensemble_core.decoding.sampling import device_generator, sample_ids
+from ensemble_core.decoding.sampling import device_generator, sample_ids, transformed
 from ensemble_core.errors import ConfigurationError, NoMembersError
 
 
@@ -144,6 +144,29 @@ def test_a_draw_on_the_device_is_the_draw_torch_multinomial_makes(temperature: f
     assert device_generator(now, torch.device("cpu")) is now  # the request's generator draws where it lives
     greedy = GenerationConfig()
     assert int(sample_ids(rows[0], greedy, None)) == int(torch.argmax(rows[0]))
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-3, 0.02, 10.0])
+def test_a_small_temperature_samples_the_top_token_and_a_masked_token_never(temperature: float) -> None:
+    """``p ** (1/T)`` on probabilities underflowed every p < 1 to 0 at a small T: 0/0 gave NaN, and the
+    sample was token 0 at every step (Qwen wrote '!!!!!!!!'). A masked token (p = 0, a grammar's) stays
+    out at a large T (the old floor of 1e-30 gave it 1e-3 at T = 10)."""
+    probs = torch.softmax(torch.randn(3000, generator=torch.Generator().manual_seed(1)) * 4, dim=-1)
+    probs[7] = 0.0
+    p = transformed(probs, GenerationConfig(do_sample=True, temperature=temperature))
+    assert torch.isfinite(p).all() and abs(float(p.sum()) - 1.0) < 1e-5 and float(p[7]) == 0.0
+    picks = {int(sample_ids(probs, GenerationConfig(do_sample=True, temperature=temperature, seed=s),
+                            torch.Generator().manual_seed(s))) for s in range(20)}
+    if temperature < 0.05:
+        assert picks == {int(torch.argmax(probs))}
+    else:
+        assert 7 not in picks and len(picks) > 1
+
+
+def test_a_small_temperature_writes_about_the_greedy_text(tiny_llama: Member) -> None:
+    greedy = Ensemble([tiny_llama], method="single", max_new_tokens=8).generate("Hello")
+    cold = Ensemble([tiny_llama], method="single", max_new_tokens=8, do_sample=True, temperature=1e-6, seed=0)
+    assert cold.generate("Hello").stats["tokens"] == greedy.stats["tokens"]
 
 
 def test_a_request_draws_on_another_device_from_a_generator_seeded_from_its_own() -> None:

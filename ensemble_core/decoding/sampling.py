@@ -59,7 +59,10 @@ def transformed(probs: torch.Tensor, config: Any) -> torch.Tensor:
     """``probs`` under the request's temperature and nucleus (``top_p``), renormalised; device ops only."""
     p = probs.float()
     if config.temperature != 1.0:
-        p = torch.pow(p.clamp_min(1e-30), 1.0 / config.temperature)
+        # p ** (1/T) in log space: a small T (1e-3) underflowed every p < 1 to 0, 0/0 gave NaN and the
+        # sample was token 0 at every step; a zero (a token a grammar masked) stays zero at any T.
+        logp = torch.where(p > 0, torch.log(p), torch.full_like(p, float("-inf")))
+        p = torch.softmax(logp / config.temperature, dim=-1)
     p = p / p.sum()
     if config.top_p < 1.0:
         sorted_p, order = torch.sort(p, descending=True)
