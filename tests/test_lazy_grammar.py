@@ -912,3 +912,27 @@ def test_following_free_text_rescans_only_its_tail() -> None:
     assert p.calls.scan >= len(p.calls.text) - TRIGGER_SPAN > 1000
     p.commit("\n<tool_call>\n")
     assert p.calls.active is not None and p.calls.activations == 1
+
+
+# ----------------------------------------------------------------------------- checked up front
+def test_auto_refuses_what_required_refuses_before_any_text_and_checks_each_tool_set_once(monkeypatch) -> None:
+    from ensemble_core.constraints import grammar
+    from ensemble_core.errors import UnsupportedSchemaFeatureError
+
+    ensemble = Ensemble([member(SMOL)], method="single")
+    bad = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}
+    for choice in ("auto", "required"):
+        with pytest.raises(UnsupportedSchemaFeatureError, match="tool 'pick' parameters"):
+            ensemble.generate("hi", tools=[bad], tool_choice=choice, max_new_tokens=2)
+    stream = ensemble.stream("hi", tools=[bad], max_new_tokens=2)  # auto: refused before the first delta
+    with pytest.raises(UnsupportedSchemaFeatureError):
+        next(iter(stream))
+    compiles = []
+    real = grammar._check_grammar
+    monkeypatch.setattr(grammar, "_check_grammar", lambda schema: compiles.append(schema) or real(schema))
+    fresh = {"type": "function", "function": {"name": "upfront_once", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}
+    for _ in range(3):  # an agent's turns: the tool set is compiled on the first one only
+        ensemble.generate("hi", tools=[fresh], max_new_tokens=1)
+    assert len(compiles) == 1

@@ -104,6 +104,7 @@ from ensemble_core.constraints.grammar import (
     ConstraintState,
     JsonConstraint,
     call_format_constraint,
+    call_schema,
     compile_for_member,
 )
 from ensemble_core.constraints.repetition import LoopPenalty
@@ -119,6 +120,7 @@ from ensemble_core.constraints.triggers import (
     format_named,
     trigger_tail,
 )
+from ensemble_core.errors import MissingDependencyError
 from ensemble_core.text.chat import normalize_messages
 from ensemble_core.text.distributions import member_table
 
@@ -272,6 +274,19 @@ def _format_constraint(tools_json: str, fmt: str) -> Any:
     return call_format_constraint(json.loads(tools_json), f.before, f.after)
 
 
+@functools.lru_cache(maxsize=64)
+def check_call_schema(tools_json: str) -> None:
+    """Check, when an ``auto`` request starts, that the call grammar of ``tools_json`` (bare specs) compiles.
+
+    The check a forced call makes (:func:`~.grammar.call_schema`: each tool's parameters, then
+    typed errors naming the tool), so that ``auto`` refuses up front exactly what ``required``
+    refuses, instead of when a call starts mid-reply. Cached per tool set: an agent's later
+    turns with the same tools compile nothing (the first costs one engine compile per tool);
+    the per-format grammar is compiled at the first trigger (:func:`_format_constraint`).
+    """
+    call_schema(json.loads(tools_json))
+
+
 def lazy_calls(request: Any, messages: Sequence[Mapping[str, Any]], exclude_repeated: bool = True,
                enabled: bool = True) -> LazyCalls | None:
     """The lazy grammar of a request (a :class:`~.structured.StructuredRequest`), or None.
@@ -287,6 +302,11 @@ def lazy_calls(request: Any, messages: Sequence[Mapping[str, Any]], exclude_repe
     if request.choice != "auto":
         return None
     unique_names(request.tools)  # as a forced call's grammar does (a call names its tool)
+    try:  # the call grammar's schema, checked now: a tool the engine cannot compile raises before any text
+        check_call_schema(json.dumps(request.tools, sort_keys=True, ensure_ascii=False))
+    except MissingDependencyError:
+        if enabled:
+            raise
     if not enabled:
         return None
     answer = None if request.schema is None else JsonConstraint(request.schema or None)
