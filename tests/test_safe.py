@@ -25,6 +25,7 @@ from ensemble_core.ensemble import Ensemble
 from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
 from ensemble_core.methods.safe import SafeConfig, SafeEnsemble, SafeRequest, drafting_levers
 from ensemble_core.options import device_type, reliability_mode
+from ensemble_core.testing import tiny_member
 from ensemble_core.text.alignment import decode, is_common_boundary, tokenize
 
 FFFD = "\ufffd"
@@ -249,6 +250,18 @@ def test_prompt_lookup_drafts_the_same_text_in_fewer_passes(tiny_llama: Member, 
     assert runs[4][:3] == runs[0][:3]
     assert runs[4][3] < runs[0][3]  # fewer drafter passes
     assert runs[4][4] == runs[0][4] == 0  # crops stayed exact
+
+
+def test_a_candidate_one_member_cannot_spell_is_not_allowed_under_a_grammar() -> None:
+    """Gemma-3's vocabulary holds ``'\\x14'``, which SmolLM2's tokenizer cannot spell: at an ensemble point
+    under ``json_object`` that candidate stopped the request with a ConstraintError ("cannot spell ... byte for
+    byte") mid-answer; it is a candidate the member's grammar cannot follow, so it is not allowed."""
+    llama = tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
+    gemma = tiny_member("gemma3-270m", seed=1, initializer_range=0.2)
+    result = Ensemble([llama, gemma], method="safe").generate("Make up an order.", max_new_tokens=160,
+                                                              response_format={"type": "json_object"})
+    assert result.finish_reason == "eos" and isinstance(result.parsed, dict)
+    assert result.stats["ensembled"] > 0
 
 
 @pytest.mark.parametrize("device, kind", [

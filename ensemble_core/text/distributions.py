@@ -59,7 +59,7 @@ from typing import Any, ClassVar, Union
 
 import torch
 
-from ensemble_core.errors import InvalidOptionError
+from ensemble_core.errors import ConstraintError, InvalidOptionError
 from ensemble_core.options import (
     FUSION_RULES,
     SHARPENINGS,
@@ -336,12 +336,19 @@ class Candidates:
 
 
 def grammar_allows(grammar: Any, prefix: str, key: Key) -> bool:
-    """Whether ``grammar`` (a ``constraints.ConstraintState`` at the committed text) accepts ``prefix`` then ``key``."""
+    """Whether ``grammar`` (a ``constraints.ConstraintState`` at the committed text) accepts ``prefix`` then ``key``.
+
+    A candidate that is no whole character, or that this member's tokenizer cannot spell (a control
+    byte only another member's vocabulary holds: Gemma-3 has ``'\x14'``, SmolLM2 cannot write it), is
+    not one the member's grammar can follow: not allowed, rather than the spelling error that stopped
+    a SAFE request under ``json_object`` mid-answer. (The committed text itself is always spelled: an
+    error there is raised where it is committed.)
+    """
     if isinstance(key, EndOfText):
         return grammar.accepts_text(prefix, end=True)
     try:
         return grammar.accepts_text(prefix + key.decode("utf-8"))
-    except UnicodeDecodeError:
+    except (UnicodeDecodeError, ConstraintError):
         return False
 
 
