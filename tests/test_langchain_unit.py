@@ -396,6 +396,13 @@ def test_with_structured_output_uses_langchains_parsers(chat) -> None:
         chat.with_structured_output(Pet, method="xml")
     with pytest.raises(InvalidOptionError, match="'schema'"):
         chat.with_structured_output(None)
+    # a schema whose top level is anyOf lost everything but its title as a tool (its forced call came back `{}`):
+    # refused for function_calling, taken by json_schema
+    shape = {"title": "Shape", "anyOf": [{"type": "object", "properties": {"radius": {"type": "number"}}},
+                                         {"type": "object", "properties": {"side": {"type": "number"}}}]}
+    with pytest.raises(InvalidOptionError, match="top level is 'anyOf'.*method='json_schema'"):
+        chat.with_structured_output(shape, method="function_calling")
+    assert chat.with_structured_output(shape).first.kwargs["response_format"]["json_schema"]["schema"]["anyOf"]
 
 
 def test_structured_output_parses_and_a_cut_reply_is_refused(chat, pair) -> None:

@@ -97,6 +97,14 @@ def convert_tools(tools: Sequence[Any], strict: bool | None = None) -> list[dict
         raise InvalidOptionError("tools", tools, "a list of tools (BaseTool, functions, pydantic classes or dicts)")
     specs = []
     for i, tool in enumerate(tools):
+        combined = [k for k in ("anyOf", "oneOf", "allOf", "$ref") if isinstance(tool, Mapping) and k in tool]
+        if combined and "properties" not in tool and "function" not in tool and "parameters" not in tool:
+            # convert_to_openai_tool keeps only such a schema's title and description: the call's arguments
+            # would be `{}` whatever the schema says
+            raise InvalidOptionError(f"tools[{i}]", tool, f"a JSON Schema with 'properties' at its top level (a "
+                                     f"tool's arguments are one object; this one's top level is {combined[0]!r}): "
+                                     "wrap it in an object property, or use with_structured_output(schema, "
+                                     "method='json_schema'), which takes any schema")
         try:
             specs.append(convert_to_openai_tool(tool, strict=strict))
         except (ValueError, TypeError) as exc:
