@@ -22,6 +22,7 @@ from ensemble_core.constraints.grammar import (
     ConstraintState,
     JsonConstraint,
     bounded_integers,
+    call_format_constraint,
     compile_constraint,
     compile_for_member,
     token_table,
@@ -33,6 +34,7 @@ from ensemble_core.errors import (
     InvalidSchemaError,
     MissingDependencyError,
     UnknownToolError,
+    UnsupportedSchemaFeatureError,
 )
 from ensemble_core.testing import bundled_tokenizer, tiny_member  # noqa: E402
 from ensemble_core.text.alignment import IncrementalDecoder, decode, tokenize  # noqa: E402
@@ -399,6 +401,38 @@ def test_bad_schema_is_a_typed_error(schema, problem: str) -> None:
         JsonConstraint(schema)
     assert isinstance(info.value, InputError)
     assert info.value.fix and info.value.fix in str(info.value)
+
+
+@pytest.mark.parametrize("fmt", ["path", "binary", "password", "ipvanyaddress", "uri-reference", "made-up"])
+def test_formats_the_engine_does_not_implement_are_annotations(fmt: str) -> None:
+    """pydantic's Path / bytes / SecretStr / IPvAnyAddress write such formats: the string is left free (JSON
+    Schema's annotation semantics); the formats the engine implements are still enforced."""
+    schema = {"type": "object", "properties": {"p": {"type": "string", "format": fmt},
+                                               "d": {"type": "string", "format": "date"}}}
+    state = compile_constraint(JsonConstraint(schema), bundled_tokenizer(TOKENIZERS[0]), vocab(
+        bundled_tokenizer(TOKENIZERS[0]))).start()
+    assert JsonConstraint(schema).schema == schema  # the validator still sees the schema as given
+    assert state.accepts_text('{"p": "/tmp/a b.txt", "d": "2024-06-07"}')
+    assert not state.accepts_text('{"p": "x", "d": "June"}')
+    tool = {"name": "read_file", "parameters": schema}
+    tool_call_constraint([tool])  # forced call, and the lazy call grammar of tool_choice="auto"
+    call_format_constraint([tool])
+
+
+@pytest.mark.parametrize("schema, feature", [
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+    ({"type": "string", "pattern": "(a)\\1"}, "backreference"),
+])
+def test_unsupported_features_are_typed_with_a_fix_users_can_apply(schema, feature: str) -> None:
+    with pytest.raises(UnsupportedSchemaFeatureError) as info:
+        JsonConstraint(schema)
+    assert info.value.feature == feature
+    assert "coerce_one_of" not in str(info.value) and "Enable" not in str(info.value)
+    disjoint = {"oneOf": [{"type": "object", "properties": {"kind": {"const": "circle"}, "r": {"type": "number"}},
+                           "required": ["kind", "r"]},
+                          {"type": "object", "properties": {"kind": {"const": "square"}, "a": {"type": "number"}},
+                           "required": ["kind", "a"]}]}
+    JsonConstraint(disjoint)  # a discriminated union (pydantic's tagged unions) compiles
 
 
 def test_tool_errors() -> None:

@@ -101,6 +101,7 @@ __all__ = [
     "compile_constraint",
     "compile_for_member",
     "check_tools",
+    "engine_schema",
     "tool_call_constraint",
 ]
 
@@ -114,10 +115,17 @@ _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 MAX_SAFE_INTEGER = 2**53 - 1
 _SCHEMA_FIX = (
     "Simplify the schema: remove or rewrite the keyword the message names. Supported: type, properties, "
-    "required, additionalProperties, items/prefixItems, enum, const, anyOf, allOf, $ref/$defs, "
-    "minimum/maximum, minLength/maxLength, pattern (no look-around), minItems/maxItems and common formats; "
+    "required, additionalProperties, items/prefixItems, enum, const, anyOf, oneOf (branches that no value "
+    "can match twice, e.g. with a 'const' tag each), allOf, $ref/$defs, minimum/maximum, minLength/maxLength, "
+    "pattern (no look-around or back-references), minItems/maxItems and format (date-time, date, time, "
+    "duration, email, hostname, ipv4, ipv6, uuid, uri enforced; other formats are ignored); "
     "not supported: not, if/then/else, dependentRequired/dependentSchemas, uniqueItems."
 )
+_ONE_OF_FIX = (
+    "Use anyOf instead (the same values, without the exactly-one rule), or make the branches disjoint, e.g. a "
+    "property with a different 'const' (a tag) in each branch, as pydantic's discriminated unions write."
+)
+_BACKREFERENCE_FIX = "Rewrite the pattern without back-references (\\1, \\k<name>), e.g. list the repeated part."
 
 
 def _llguidance() -> Any:
@@ -148,16 +156,56 @@ def _bound_integer(node: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
+def engine_schema(schema: Any) -> Any:
+    """The copy of ``schema`` the grammar engine compiles: integers bounded (:func:`bounded_integers`), and the
+    ``format`` values the engine does not implement dropped.
+
+    JSON Schema (2020-12, "format-annotation") treats a ``format`` as an annotation unless the
+    validator knows it, so pydantic's ``path`` (``pathlib.Path``), ``binary`` (``bytes``),
+    ``password`` (``SecretStr``), ``ipvanyaddress`` and the like must not refuse the schema: the
+    grammar leaves such a string free, as the argument validator (``jsonschema``) does.
+    """
+    return map_subschemas(schema, lambda node: _drop_unknown_format(_bound_integer(node)))
+
+
+def _drop_unknown_format(node: dict[str, Any]) -> dict[str, Any]:
+    fmt = node.get("format")
+    if isinstance(fmt, str) and not _engine_format(fmt):
+        del node["format"]
+    return node
+
+
+@functools.lru_cache(maxsize=256)
+def _engine_format(fmt: str) -> bool:
+    """Whether the grammar engine enforces string format ``fmt`` (llguidance 1.9: date-time, date, time, duration,
+    email, hostname, ipv4, ipv6, uuid, uri; asked once per name, so a newer engine's formats count too)."""
+    llg = _llguidance()
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema({"type": "string", "format": fmt})
+        return not llg.LLMatcher.validate_grammar_with_warnings(grammar)[0]
+    except (ValueError, TypeError):
+        return False
+
+
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 
-def _unsupported_feature(problem: str) -> str | None:
-    """The feature the engine names as unsupported (keywords such as ``not``, or look-around in a pattern), if any."""
+def _unsupported_feature(problem: str) -> tuple[str, str, str] | None:
+    """(feature, problem, fix) for what the engine names as unsupported (keywords such as ``not``, ``oneOf`` it
+    cannot prove disjoint, look-around or back-references in a pattern), if any; the problem and fix in words a
+    user of this library can act on (the engine's own may name its options)."""
     keys = _UNIMPLEMENTED.search(problem)
     if keys:
-        return ", ".join(k.strip().strip('"') for k in keys.group(1).split(",") if k.strip())
+        return ", ".join(k.strip().strip('"') for k in keys.group(1).split(",") if k.strip()), problem, _SCHEMA_FIX
+    if "oneOf" in problem and "not supported" in problem:
+        return ("oneOf", "oneOf whose branches a value could match more than one of is not supported (the grammar "
+                "cannot enforce 'exactly one')", _ONE_OF_FIX)
+    if "backreferences are not supported" in problem:
+        lines = problem.splitlines()
+        pattern = repr(lines[1].strip()) + " " if len(lines) > 1 else ""
+        return "backreference", f"pattern {pattern}uses a back-reference, which is not supported", _BACKREFERENCE_FIX
     if "look-around" in problem:
-        return "look-around in pattern"
+        return "look-around in pattern", problem, _SCHEMA_FIX
     return None
 
 
@@ -165,15 +213,15 @@ def _check_grammar(schema: Mapping[str, Any]) -> str:
     """The llguidance grammar of ``schema``; an unsupported or malformed schema raises here."""
     llg = _llguidance()
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(bounded_integers(schema), defaults=_COMPILE_OPTIONS)
+        grammar = llg.LLMatcher.grammar_from_json_schema(engine_schema(schema), defaults=_COMPILE_OPTIONS)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
     except (ValueError, TypeError) as e:
         is_error, messages = True, [str(e)]
     if is_error:
         problem = messages[0] if messages else "the grammar engine rejected it"
-        feature = _unsupported_feature(problem)
-        if feature is not None:
-            raise UnsupportedSchemaFeatureError(feature, problem, _SCHEMA_FIX)
+        unsupported = _unsupported_feature(problem)
+        if unsupported is not None:
+            raise UnsupportedSchemaFeatureError(*unsupported)
         raise InvalidSchemaError(problem, _SCHEMA_FIX)
     return grammar
 
@@ -317,7 +365,7 @@ def call_format_constraint(specs: Sequence[Mapping[str, Any]], before: str = "",
     JSON whitespace; inside the JSON the same conventions hold as for a forced call
     (property order, closed arguments, bounded integers).
     """
-    schema = bounded_integers(call_schema(specs))
+    schema = engine_schema(call_schema(specs))
     schema["x-guidance"] = dict(_COMPILE_OPTIONS)
     lark = (f"%llguidance {{}}\nstart: {before} call {after}\n"
             f"WS: /[ \\t\\r\\n]{{1,{MAX_WHITESPACE}}}/\n"
