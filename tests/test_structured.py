@@ -21,6 +21,7 @@ from ensemble_core.constraints.structured import (
     StructuredRequest,
     json_sequence,
     parse_output,
+    read_value,
     structured_request,
     with_instructions,
 )
@@ -264,3 +265,15 @@ def test_streaming_a_constrained_request_equals_generate(pair: list[Member]) -> 
     result = ens.generate("Weather?", tools=TOOLS, tool_choice="weather")
     stream = ens.stream("Weather?", tools=TOOLS, tool_choice="weather")
     assert "".join(stream) == result.text and stream.result.tool_calls[0].arguments == result.tool_calls[0].arguments
+
+
+def test_a_number_the_budget_cut_is_not_a_parsed_value() -> None:
+    integer = {"type": "integer", "minimum": 0}
+    cut = read_value("38", integer, finish_reason="length")
+    assert cut.parsed is None and "token budget cut" in cut.parse_error
+    assert read_value("38", integer, finish_reason="eos").parsed == 38  # ended by the model: a value
+    for text in ('{"a": 38}', "[38]", '"38"', "true", "null"):  # these end themselves: complete even at the budget
+        assert read_value(text, {"anyOf": [{}]}, finish_reason="length").parse_error is None
+    e = Ensemble([tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)], method="single")
+    r = e.generate("Pick a big number.", max_new_tokens=2, response_format=integer)  # its full reply is 16 digits
+    assert r.finish_reason == "length" and r.parsed is None and "token budget cut" in r.structured.parse_error

@@ -351,14 +351,16 @@ class StructuredOutput:
     repeated_tool_calls: list[ToolCall] = field(default_factory=list)
 
 
-def parse_output(text: str, request: StructuredRequest, parser: ToolCallParser | None = None) -> StructuredOutput:
+def parse_output(text: str, request: StructuredRequest, parser: ToolCallParser | None = None,
+                 finish_reason: str | None = None) -> StructuredOutput:
     """Read a finished reply: its tool calls (forced or chosen in auto mode), or the requested JSON value.
 
     The one reader of every path (the generation loop calls it for every result; the
     adapters and the server read its :class:`StructuredOutput`). Calls are read by
     ``parser`` (default: every format, :class:`~ensemble_core.constraints.tool_parsers.AutoParser`)
     and checked against their tool's JSON Schema, forced ones too; ``tool_choice="none"``
-    reads no calls. A response-format value is checked against its schema (``parse_error``).
+    reads no calls. A response-format value is checked against its schema (``parse_error``), and one
+    the token budget may have cut (``finish_reason`` ``"length"``) is refused (:func:`read_value`).
     """
     if not request.active:
         return StructuredOutput(text)
@@ -368,16 +370,24 @@ def parse_output(text: str, request: StructuredRequest, parser: ToolCallParser |
             return StructuredOutput(found.content, list(found.calls),
                                     invalid_tool_calls=[c.as_dict() for c in found.invalid])
     if request.schema is not None:
-        return read_value(text, request.schema)
+        return read_value(text, request.schema, finish_reason)
     return StructuredOutput(text)
 
 
-def read_value(text: str, schema: Mapping[str, Any]) -> StructuredOutput:
-    """A response-format reply: its JSON value, and why it is not a valid one (not JSON, or breaks the schema)."""
+def read_value(text: str, schema: Mapping[str, Any], finish_reason: str | None = None) -> StructuredOutput:
+    """A response-format reply: its JSON value, and why it is not a valid one (not JSON, or breaks the schema).
+
+    A reply the token budget ended (``finish_reason`` ``"length"``) whose value does not end itself
+    (a top-level number: ``38`` may be the start of ``3805…``; an object, array, string or literal
+    closes itself) is not a value either: ``parsed`` None, ``parse_error`` says the budget cut it.
+    """
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         return StructuredOutput(text, parse_error=f"the reply is not valid JSON: {e}")
+    if finish_reason == "length" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return StructuredOutput(text, parse_error=f"the token budget cut the reply (finish_reason 'length'): the number "
+                                f"{text.strip()[:40]} may be only the start of the value; raise max_new_tokens")
     error = schema_error(value, schema_validator(schema or _ANY_OBJECT, "response_format"))
     return StructuredOutput(text, parsed=value,
                             parse_error=None if error is None else f"the value does not match the schema: {error}")

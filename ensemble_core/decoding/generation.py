@@ -439,5 +439,5 @@ class GenerationStream:
             seconds=time.perf_counter() - t0,
             time_to_first_chunk=first,
             stats=method.stats(request),
-            structured=parse_output(text, config.structured) if config.structured.active else None,
+            structured=parse_output(text, config.structured, finish_reason=finish) if config.structured.active else None,
         )
