@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ensemble_core import Ensemble, InvalidOptionError, Member
-from ensemble_core.constraints.grammar import tool_call_constraint
+from ensemble_core.constraints.grammar import JsonConstraint, tool_call_constraint
 from ensemble_core.constraints.schemas import closed_schema, schema_sketch
 from ensemble_core.constraints.structured import (
     ANSWER_INSTRUCTIONS,
@@ -239,8 +239,21 @@ def test_closed_schema_closes_every_object_it_declares() -> None:
     closed = closed_schema(schema)
     assert closed["additionalProperties"] is True  # said explicitly: kept
     assert closed["properties"]["pet"]["additionalProperties"] is False
-    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["tags"]["items"]  # no properties: any object, not only {}
     assert closed["$defs"]["X"]["additionalProperties"] is False and "additionalProperties" not in schema["$defs"]["X"]
+
+
+def test_closed_schema_keeps_allof_satisfiable() -> None:
+    from ensemble_core.constraints.tool_parsers import schema_validator
+
+    both = {"type": "object", "allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "object"}, "c": {"type": "object", "properties": {}}},
+         "required": ["b"]}]}
+    closed = closed_schema(both)
+    assert schema_validator(closed).is_valid({"a": 1, "b": {"free": True}})  # closing left it satisfiable
+    assert closed["allOf"][1]["properties"]["c"]["additionalProperties"] is False  # objects inside are closed
+    JsonConstraint(closed)  # and the grammar compiles (it was 'Unsatisfiable schema')
 
 
 @pytest.mark.parametrize("method", METHODS)

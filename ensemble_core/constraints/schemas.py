@@ -24,8 +24,8 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 def map_subschemas(schema: Any, fix: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
     """A copy of a JSON Schema with ``fix`` applied to every (sub)schema, innermost first.
 
-    The one walk behind every schema rewrite (:func:`closed_schema`,
-    :func:`ensemble_core.constraints.grammar.bounded_integers`); ``fix`` gets a fresh dict it may change.
+    The one walk behind the grammar's schema rewrites (:func:`~ensemble_core.constraints.grammar.bounded_integers`,
+    :func:`~ensemble_core.constraints.grammar.engine_schema`); ``fix`` gets a fresh dict it may change.
     """
     if isinstance(schema, list):
         return [map_subschemas(s, fix) for s in schema]
@@ -38,10 +38,9 @@ def map_subschemas(schema: Any, fix: Callable[[dict[str, Any]], dict[str, Any]])
     return fix(out)
 
 
-def _close(node: dict[str, Any]) -> dict[str, Any]:
-    if (node.get("type") == "object" or "properties" in node) and "additionalProperties" not in node:
-        node["additionalProperties"] = False
-    return node
+#: Keywords beside which ``additionalProperties: false`` would refuse properties declared elsewhere (it sees only
+#: its own node's ``properties``): such a node is left open.
+_COMPOSED = frozenset({"allOf", "$ref", "unevaluatedProperties"})
 
 
 def closed_schema(schema: Any) -> Any:
@@ -53,8 +52,28 @@ def closed_schema(schema: Any) -> Any:
     the bundled pair: the schema's own keywords written as extra keys), and a function or a
     pydantic class accepts only what it declares. ``additionalProperties: true`` in the
     schema (or ``strict=False`` in the adapters) keeps extra keys allowed.
+
+    Only objects that list their own ``properties`` are closed, so that closing never changes
+    what a satisfiable schema means: a free-form ``{"type": "object"}`` (no properties) stays
+    any object, the branches of an ``allOf`` stay open (each would refuse the others' keys), and
+    so does a node beside ``allOf`` / ``$ref`` (the properties it sees are not all it declares).
     """
-    return map_subschemas(schema, _close)
+    return _closed(schema, True)
+
+
+def _closed(schema: Any, close: bool) -> Any:
+    if isinstance(schema, list):
+        return [_closed(s, close) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _closed(v, k != "allOf") if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), Mapping):
+            out[key] = {name: _closed(sub, True) for name, sub in schema[key].items()}
+    if close and isinstance(out.get("properties"), Mapping) and "additionalProperties" not in out and not (
+            _COMPOSED & out.keys()):
+        out["additionalProperties"] = False
+    return out
 
 
 def strict_tools(specs: Sequence[Mapping[str, Any]], strict: bool | None = None) -> list[dict[str, Any]]:
