@@ -416,3 +416,17 @@ def test_tools_without_jsonschema_raise_a_typed_error(monkeypatch: pytest.Monkey
         assert not structured_request().active  # no tools, no schema: nothing to check
     finally:
         tool_parsers._compiled.cache_clear()
+
+
+def test_patterns_are_read_as_ecma_262_as_the_grammar_reads_them() -> None:
+    from ensemble_core.constraints.grammar import JsonConstraint
+    from ensemble_core.constraints.tool_parsers import schema_validator
+
+    for pattern, good, bad in [(r"^\p{L}+$", "héllo", "h1"), (r"^(?<year>\d{4})-\d{2}$", "2024-06", "24-06"),
+                               (r"^\u{1F600}$", "\U0001F600", "x")]:
+        schema = {"type": "string", "pattern": pattern}
+        validator = schema_validator(schema, "response_format")  # Python's re refused all three
+        assert validator.is_valid(good) and not validator.is_valid(bad)
+        JsonConstraint(schema)  # the grammar enforces the same pattern
+    with pytest.raises(InvalidSchemaError, match="regex"):
+        schema_validator({"type": "string", "pattern": "(unclosed"})

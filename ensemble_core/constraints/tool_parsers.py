@@ -205,15 +205,61 @@ def _compiled(schema_json: str) -> Any:
 
     schema = json.loads(schema_json)
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    checker = _ecma_format_checker(cls)
     try:
-        cls.check_schema(schema)
+        cls.check_schema(schema, format_checker=checker)
     except jsonschema.exceptions.SchemaError as e:
         where = "" if e.json_path == "$" else f" (at {e.json_path})"
         raise InvalidSchemaError(f"{e.message}{where}", _SCHEMA_FIX) from e
     if isinstance(schema, Mapping):
         _check_refs(schema, specification_with(cls.META_SCHEMA["$schema"], default=DRAFT202012))
     # An empty registry: a $ref is resolved inside the schema, never fetched (checked above).
-    return cls(schema, registry=Registry(), format_checker=cls.FORMAT_CHECKER)
+    return _ecma_validator(cls)(schema, registry=Registry(), format_checker=checker)
+
+
+_ECMA_CODEPOINT = re.compile(r"(?<!\\)\\u\{([0-9A-Fa-f]{1,6})\}")
+_ECMA_NAMED_GROUP = re.compile(r"\(\?<(?![=!])")
+
+
+@functools.lru_cache(maxsize=512)
+def ecma_regex(pattern: str) -> Any:
+    """A ``pattern`` (JSON Schema's dialect: ECMA-262) compiled for Python, as the grammar engine reads it.
+
+    Python's ``re`` lacks ``\\p{L}`` (Unicode properties), ``(?<name>...)`` and ``\\u{1F600}``; the
+    ``regex`` module (a dependency of transformers) has the first two, the code point escape is
+    rewritten. A pattern neither reads raises (``re.error`` / ``regex.error``).
+    """
+    try:
+        import regex as engine
+    except ImportError:  # pragma: no cover - transformers depends on regex
+        engine = re
+    text = _ECMA_CODEPOINT.sub(lambda m: engine.escape(chr(int(m.group(1), 16))), pattern)
+    return engine.compile(_ECMA_NAMED_GROUP.sub("(?P<", text))
+
+
+def _is_ecma_regex(instance: Any) -> bool:
+    if isinstance(instance, str):
+        ecma_regex(instance)
+    return True
+
+
+@functools.cache
+def _ecma_format_checker(cls: Any) -> Any:
+    """``cls``'s format checker with the ``regex`` format read as ECMA-262 (:func:`ecma_regex`), not Python's ``re``."""
+    checker = _jsonschema().FormatChecker(formats=())
+    checker.checkers = {**cls.FORMAT_CHECKER.checkers, "regex": (_is_ecma_regex, (Exception,))}
+    return checker
+
+
+def _ecma_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
+    if validator.is_type(instance, "string") and not ecma_regex(pattern).search(instance):
+        yield _jsonschema().ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+@functools.cache
+def _ecma_validator(cls: Any) -> Any:
+    """``cls`` whose ``pattern`` keyword reads ECMA-262 (:func:`ecma_regex`), as the grammar does."""
+    return _jsonschema().validators.extend(cls, {"pattern": _ecma_pattern})
 
 
 def schema_validator(schema: Any, where: str = "") -> Any:
