@@ -290,3 +290,10 @@ def test_a_number_the_budget_cut_is_not_a_parsed_value() -> None:
     e = Ensemble([tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)], method="single")
     r = e.generate("Pick a big number.", max_new_tokens=2, response_format=integer)  # its full reply is 16 digits
     assert r.finish_reason == "length" and r.parsed is None and "token budget cut" in r.structured.parse_error
+
+
+def test_a_bare_schema_whose_type_is_a_list_is_a_response_format() -> None:
+    for schema in ({"type": ["object", "null"]}, {"type": ["string", "integer"]}):
+        assert structured_request(response_format=schema).schema == schema
+    with pytest.raises(InvalidOptionError):
+        structured_request(response_format={"type": ["xml"]})

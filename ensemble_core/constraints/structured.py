@@ -197,6 +197,9 @@ def named_function(tool: Any) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
+_JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
 def schema_of(response_format: Any) -> dict[str, Any] | None:
     """The JSON Schema a ``response_format`` asks for (``{}``: any JSON object; None: free text).
 
@@ -220,7 +223,7 @@ def schema_of(response_format: Any) -> dict[str, Any] | None:
             raise InvalidOptionError("response_format", response_format,
                                      "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
         return dict(schema)
-    if kind in (None, "object", "array", "string", "number", "integer", "boolean", "null") or any(
+    if kind in (None, *_JSON_TYPES) or (isinstance(kind, list) and kind and all(k in _JSON_TYPES for k in kind)) or any(
             k in response_format for k in ("properties", "anyOf", "oneOf", "allOf", "$ref", "enum", "const")):
         return dict(response_format)
     raise InvalidOptionError("response_format", response_format,
