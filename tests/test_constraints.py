@@ -419,6 +419,18 @@ def test_formats_the_engine_does_not_implement_are_annotations(fmt: str) -> None
     call_format_constraint([tool])
 
 
+def test_date_time_has_no_leap_second() -> None:
+    """pydantic's datetime / time refuse second 60, which RFC 3339 (and the engine's format) allow."""
+    tokenizer = bundled_tokenizer(TOKENIZERS[0])
+    schema = {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"},
+                                               "at": {"type": "string", "format": "time"}}}
+    state = compile_constraint(JsonConstraint(schema), tokenizer, vocab(tokenizer)).start()
+    assert state.accepts_text('{"when": "2024-06-07T13:26:59.5+02:00", "at": "13:26:59Z"}')
+    assert not state.accepts_text('{"when": "2024-06-07T13:26:60Z"')
+    assert not state.accepts_text('{"at": "23:59:60Z"')
+    assert not state.accepts_text('{"when": "2024-02-30T00:00:00Z"')  # the engine's own checks stay
+
+
 @pytest.mark.parametrize("schema, feature", [
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
     ({"type": "string", "pattern": "(a)\\1"}, "backreference"),

@@ -163,15 +163,24 @@ def engine_schema(schema: Any) -> Any:
     JSON Schema (2020-12, "format-annotation") treats a ``format`` as an annotation unless the
     validator knows it, so pydantic's ``path`` (``pathlib.Path``), ``binary`` (``bytes``),
     ``password`` (``SecretStr``), ``ipvanyaddress`` and the like must not refuse the schema: the
-    grammar leaves such a string free, as the argument validator (``jsonschema``) does.
+    grammar leaves such a string free, as the argument validator (``jsonschema``) does. A ``date-time`` or
+    ``time`` gets no second ``60`` (:data:`_NO_LEAP_SECOND`).
     """
     return map_subschemas(schema, lambda node: _drop_unknown_format(_bound_integer(node)))
+
+
+#: Added beside ``format: date-time`` / ``time`` (where the schema has no pattern of its own): second ``60``
+#: (an RFC 3339 leap second) is legal in the engine's format, but pydantic's ``datetime`` / ``time`` and most
+#: readers refuse it, so the grammar leaves it out.
+_NO_LEAP_SECOND = r"^.*:[0-5][0-9](\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})$"
 
 
 def _drop_unknown_format(node: dict[str, Any]) -> dict[str, Any]:
     fmt = node.get("format")
     if isinstance(fmt, str) and not _engine_format(fmt):
         del node["format"]
+    elif fmt in ("date-time", "time") and "pattern" not in node:
+        node["pattern"] = _NO_LEAP_SECOND
     return node
 
 
