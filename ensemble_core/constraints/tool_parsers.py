@@ -226,15 +226,13 @@ def ecma_regex(pattern: str) -> Any:
     """A ``pattern`` (JSON Schema's dialect: ECMA-262) compiled for Python, as the grammar engine reads it.
 
     Python's ``re`` lacks ``\\p{L}`` (Unicode properties), ``(?<name>...)`` and ``\\u{1F600}``; the
-    ``regex`` module (a dependency of transformers) has the first two, the code point escape is
+    ``regex`` module (the [agents] extra's dependency, and transformers') has the first two, the code point escape is
     rewritten. A pattern neither reads raises (``re.error`` / ``regex.error``).
     """
-    try:
-        import regex as engine
-    except ImportError:  # pragma: no cover - transformers depends on regex
-        engine = re
-    text = _ECMA_CODEPOINT.sub(lambda m: engine.escape(chr(int(m.group(1), 16))), pattern)
-    return engine.compile(_ECMA_NAMED_GROUP.sub("(?P<", text))
+    import regex  # the [agents] extra's (and transformers') dependency
+
+    text = _ECMA_CODEPOINT.sub(lambda m: regex.escape(chr(int(m.group(1), 16))), pattern)
+    return regex.compile(_ECMA_NAMED_GROUP.sub("(?P<", text))
 
 
 def _is_ecma_regex(instance: Any) -> bool:
