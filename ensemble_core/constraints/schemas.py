@@ -24,18 +24,24 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 def map_subschemas(schema: Any, fix: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
     """A copy of a JSON Schema with ``fix`` applied to every (sub)schema, innermost first.
 
-    The one walk behind the grammar's schema rewrites (:func:`~ensemble_core.constraints.grammar.bounded_integers`,
-    :func:`~ensemble_core.constraints.grammar.engine_schema`); ``fix`` gets a fresh dict it may change.
+    The one walk behind every schema rewrite (:func:`closed_schema`,
+    :func:`~ensemble_core.constraints.grammar.bounded_integers`, :func:`~ensemble_core.constraints.grammar.engine_schema`);
+    ``fix`` gets a fresh dict it may change.
     """
+    return _walk(schema, lambda node, _key: fix(node), None)
+
+
+def _walk(schema: Any, fix: Callable[[dict[str, Any], str | None], dict[str, Any]], key: str | None) -> Any:
+    """:func:`map_subschemas`, telling ``fix`` the keyword each node stands under (None at the root)."""
     if isinstance(schema, list):
-        return [map_subschemas(s, fix) for s in schema]
+        return [_walk(s, fix, key) for s in schema]
     if not isinstance(schema, Mapping):
         return schema
-    out = {k: map_subschemas(v, fix) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), Mapping):
-            out[key] = {name: map_subschemas(sub, fix) for name, sub in schema[key].items()}
-    return fix(out)
+    out = {k: _walk(v, fix, k) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
+    for name in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(name), Mapping):
+            out[name] = {prop: _walk(sub, fix, name) for prop, sub in schema[name].items()}
+    return fix(out, key)
 
 
 #: Keywords beside which ``additionalProperties: false`` would refuse properties declared elsewhere (it sees only
@@ -58,22 +64,14 @@ def closed_schema(schema: Any) -> Any:
     any object, the branches of an ``allOf`` stay open (each would refuse the others' keys), and
     so does a node beside ``allOf`` / ``$ref`` (the properties it sees are not all it declares).
     """
-    return _closed(schema, True)
+    return _walk(schema, _close, None)
 
 
-def _closed(schema: Any, close: bool) -> Any:
-    if isinstance(schema, list):
-        return [_closed(s, close) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    out = {k: _closed(v, k != "allOf") if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), Mapping):
-            out[key] = {name: _closed(sub, True) for name, sub in schema[key].items()}
-    if close and isinstance(out.get("properties"), Mapping) and "additionalProperties" not in out and not (
-            _COMPOSED & out.keys()):
-        out["additionalProperties"] = False
-    return out
+def _close(node: dict[str, Any], key: str | None) -> dict[str, Any]:
+    if (key != "allOf" and isinstance(node.get("properties"), Mapping) and "additionalProperties" not in node
+            and not _COMPOSED & node.keys()):
+        node["additionalProperties"] = False
+    return node
 
 
 def strict_tools(specs: Sequence[Mapping[str, Any]], strict: bool | None = None) -> list[dict[str, Any]]:
