@@ -43,6 +43,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import regex  # ECMA-262 patterns (Unicode properties, named groups): a dependency of transformers and of [agents]
+
 from ensemble_core.errors import (
     InvalidOptionError,
     InvalidSchemaError,
@@ -229,8 +231,6 @@ def ecma_regex(pattern: str) -> Any:
     ``regex`` module (the [agents] extra's dependency, and transformers') has the first two, the code point escape is
     rewritten. A pattern neither reads raises (``re.error`` / ``regex.error``).
     """
-    import regex  # the [agents] extra's (and transformers') dependency
-
     text = _ECMA_CODEPOINT.sub(lambda m: regex.escape(chr(int(m.group(1), 16))), pattern)
     return regex.compile(_ECMA_NAMED_GROUP.sub("(?P<", text))
 
