@@ -140,11 +140,14 @@ def test_a_batch_runs_its_passes_on_the_runner_and_gives_the_texts_of_requests_o
     assert [r.text for r in batched] == alone
     assert ens.method.batcher.stats.batched_calls > 0
     # no request thread ran a pass: every pass of the batch, shared or alone (the last request's tail), ran on the
-    # runner, except SpecEM's drafts while its request ran alone (its member threads then draft side by side)
-    assert threads["ensemble-model-runner"] >= 10, threads
-    assert not any(name.startswith("ensemble-batch") for name in threads), threads
-    if method != "specem":
-        assert set(threads) == {"ensemble-model-runner"}, threads
+    # runner, except SpecEM's drafts while its request ran alone (its member threads then draft side by side; how
+    # many rounds a request runs alone depends on when the others finish, so only where the passes ran is counted)
+    others = {name for name in threads if name != "ensemble-model-runner"}
+    if method == "specem":
+        assert threads["ensemble-model-runner"] > 0, threads
+        assert all(name.startswith("ensemble-member") for name in others), threads
+    else:
+        assert threads["ensemble-model-runner"] >= 10 and not others, threads
     assert runner._quiet_threads == 0
 
 
@@ -173,7 +176,7 @@ def test_a_lone_quiet_requests_member_threads_run_their_own_passes(llama: Member
         result = asyncio.run(Run(ens, "Count: one, two, three,").arun())
     assert result.text == expected
     drafting = {name for name in threads if name != "ensemble-model-runner"}
-    assert drafting and all(name.startswith("ThreadPoolExecutor") for name in drafting), threads
+    assert drafting and all(name.startswith("ensemble-member") for name in drafting), threads
     assert set(run_all(lambda _: is_quiet(), [0, 1], parallel=True)) == {False}
 
 

@@ -205,7 +205,7 @@ def run_all(fn: Callable[[T], R], items: Sequence[T], parallel: bool) -> list[R]
             finally:
                 done()
 
-        with ThreadPoolExecutor(max_workers=len(items)) as pool:
+        with ThreadPoolExecutor(max_workers=len(items), thread_name_prefix="ensemble-member") as pool:
             return list(pool.map(work, items))
 
 
