@@ -8,10 +8,12 @@ fewer OpenMP helpers while a batch runs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import subprocess
 import sys
 import threading
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -114,6 +116,21 @@ def test_the_runner_hands_back_results_errors_and_the_callers_modes() -> None:
     with torch.no_grad():
         assert not own.run(torch.is_grad_enabled)
     assert own.calls == 6  # the nested call ran inside its caller's
+
+
+def test_the_runner_keeps_nothing_of_a_finished_call() -> None:
+    """A pass's function holds its jobs and their caches (a static slot is lent until its cache is freed): the
+    runner lets go of it before the caller wakes, not when the next call arrives."""
+    own = ModelRunner()
+
+    class Cache:
+        pass
+
+    cache = Cache()
+    freed = weakref.ref(cache)
+    assert own.run(functools.partial(id, cache)) == id(cache)  # as the batcher's partial holds its jobs
+    del cache
+    assert freed() is None  # the lambda (and with it the cache) is gone although no other call came
 
 
 def test_only_a_quiet_threads_cpu_passes_go_to_the_runner(llama: Member) -> None:

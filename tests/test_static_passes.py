@@ -108,7 +108,24 @@ def test_requests_beyond_the_pool_decode_eager_next_to_it_with_the_same_texts() 
     assert static.static.counts["batched"] > 0
     stats = together.method.batcher.stats
     assert stats.batched_calls > static.static.counts["batched"]  # the eager rows were batched too
-    assert sum(m["static_passes"] > 0 for r in got for m in r.stats["members"]) == 2
+    # two rows in the pool at a time, the others eager beside them (a request that starts after one in the
+    # pool has finished may take its slot: how many ran static depends on when each thread starts)
+    assert 2 <= sum(m["static_passes"] > 0 for r in got for m in r.stats["members"]) < len(prompts)
+
+
+def test_a_batch_gives_its_slots_back_for_the_next_one() -> None:
+    """A batch's passes run on the model runner; when the requests end their slots are free again (the
+    runner kept the last pass's jobs, and with them their caches, until another call came: every request of
+    the next batch found the pool full and decoded eager)."""
+    eager = tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2)
+    static = static_twin(eager)
+    static.static = StaticPasses(static.model, "static", max_cache_len=256, slots=4)
+    prompts = ["What is 2 + 2?", "Name three colours.", "Hi", "Count: one, two,"]
+    together = Ensemble([static], method="single", max_new_tokens=6)
+    for _ in range(2):
+        got = together.batch(prompts)
+        assert [m["static_passes"] > 0 for r in got for m in r.stats["members"]] == [True] * 4
+        assert not any(slot.busy for slot in static.static.pool.slots)
 
 
 def test_a_static_pass_reads_nothing_back_to_the_host() -> None:

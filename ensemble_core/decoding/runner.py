@@ -120,6 +120,10 @@ def runs_on_cpu(member: Any) -> bool:
     return isinstance(device, torch.device) and device.type == "cpu"
 
 
+def _done() -> None:
+    """What a finished :class:`_Call` holds instead of its function."""
+
+
 @dataclass(eq=False)
 class _Call:
     fn: Callable[[], Any]
@@ -187,8 +191,14 @@ class ModelRunner:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised in its thread
                 call.error = exc
             finally:
+                # nothing of a finished call is kept (here until the next call arrived): a pass's jobs hold
+                # their requests' caches, and a static slot is lent until its cache is freed (the last batch's
+                # slots stayed busy, and every later request fell back to eager passes). The function goes
+                # before the caller wakes, so a request that ends frees its slot at once.
+                call.fn = _done
                 self.calls += 1
                 call.done.set()
+            del call
 
 
 _RUNNER = ModelRunner()
