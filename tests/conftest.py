@@ -122,10 +122,33 @@ def own_memory_bytes() -> int:
     return 0
 
 
+#: Threads of requests an earlier file abandoned (a stream left after a few chunks ends after its round).
+REQUEST_THREADS = ("ensemble-generation", "ensemble-batch", "ensemble-member")
+
+
+def wait_for_abandoned_requests(seconds: float = 60.0) -> None:
+    """Until the request threads earlier files left behind have ended and no request computes quietly.
+
+    The model runner's thread count and its count of quiet requests are process-wide: an abandoned
+    stream still finishing its round when the next file starts is counted in that file's exact counts
+    (``runner._quiet_threads == 0``, the host reads of every thread)."""
+    import threading
+    import time
+
+    from ensemble_core.decoding import runner
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and (
+            runner._quiet_threads or any(t.name.startswith(REQUEST_THREADS) for t in threading.enumerate())):
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _room_for_the_next_file(request: pytest.FixtureRequest) -> None:
-    """Before a file whose models live in child processes (:data:`OWN_PROCESS_FILES`), or when this process
-    holds more than :data:`CACHE_LIMIT_BYTES`: free the models cached for earlier files."""
+    """Before each file: wait for the requests earlier files abandoned; before a file whose models live in child
+    processes (:data:`OWN_PROCESS_FILES`), or when this process holds more than :data:`CACHE_LIMIT_BYTES`: free
+    the models cached for earlier files."""
+    wait_for_abandoned_requests()
     if request.path.name in OWN_PROCESS_FILES or own_memory_bytes() > CACHE_LIMIT_BYTES:
         free_cached_models()
 
