@@ -210,6 +210,18 @@ def test_tool_calls_and_results_round_trip(chat, tiny_gemma) -> None:
     assert isinstance(chat.invoke(messages).content, str)
 
 
+def test_a_result_with_only_the_call_id_gets_the_tool_name_and_developer_is_system(tiny_gemma) -> None:
+    """``ToolMessage(content, tool_call_id=...)`` (no name, as results are usually written) is named after the call
+    it answers, as in the LlamaIndex adapter; OpenAI's ``developer`` role is its system role."""
+    messages = [ChatMessage(role="developer", content="Use the tools."), HumanMessage("What is 6 times 7?"),
+                AIMessage("", tool_calls=[{"name": "multiply", "args": {"a": 6, "b": 7}, "id": "c1", "type": "tool_call"}]),
+                ToolMessage("42", tool_call_id="c1"), ToolMessage("?", tool_call_id="unknown")]
+    core = to_core_messages(messages)
+    assert core[0]["role"] == "system"
+    assert core[3]["name"] == "multiply" and core[4]["name"] is None
+    assert "Tool result (multiply): 42" in tiny_gemma.render(core)
+
+
 def test_provider_call_blocks_are_carried_by_tool_calls() -> None:
     """Anthropic-style list content with a tool_use block (langchain-tests' list-content history)."""
     call = {"name": "add", "args": {"a": 1, "b": 2}, "id": "abc", "type": "tool_call"}
@@ -251,6 +263,30 @@ def test_message_token_count_equals_usage_input_tokens(chat) -> None:
     # the same messages again: the members' prefix caches held all of the prompt but its last token
     again = chat.invoke(messages).usage_metadata
     assert again["input_token_details"]["cache_read"] == again["input_tokens"] - 1
+
+
+def test_any_list_of_messages_is_counted_so_trim_messages_can_use_the_model(chat) -> None:
+    """LangChain's ``trim_messages(token_counter=chat)`` counts pieces of a history no call would take alone
+    (``[]``, the system message alone, an empty message); they raised ``InputError`` before."""
+    from langchain_core.messages.utils import trim_messages
+
+    assert chat.get_num_tokens_from_messages([]) == 0
+    assert chat.get_num_tokens_from_messages([SystemMessage("Be brief.")]) == chat.get_num_tokens("System: Be brief.")
+    assert chat.get_num_tokens_from_messages([HumanMessage("")]) == chat.get_num_tokens("Human: ")
+    history = [SystemMessage("Be brief."), HumanMessage("What is 2 + 3?"), AIMessage("5."), HumanMessage("And 4 + 5?")]
+    whole = chat.get_num_tokens_from_messages(history)
+
+    def trimmed(budget: int) -> list:
+        return trim_messages(history, max_tokens=budget, token_counter=chat, strategy="last", include_system=True,
+                             start_on="human")
+
+    # LangChain counts the system message apart and the rest in pieces: a margin over the whole count
+    assert trimmed(whole + 32) == history
+    kept = [trimmed(budget) for budget in range(0, whole + 33, 4)]
+    assert all(k == [] or (k[0] == history[0] and k[1:] == history[len(history) + 1 - len(k):]) for k in kept), kept
+    assert [len(k) for k in kept] == sorted(len(k) for k in kept) and len(kept[0]) < 2 < len(kept[-1])
+    with pytest.raises(InputError, match="not a LangChain message"):
+        chat.get_num_tokens_from_messages(["Hi"])
 
 
 # ---------------------------------------------------------------- results, chunks, callbacks

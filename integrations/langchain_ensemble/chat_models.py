@@ -23,7 +23,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.model_profile import ModelProfile
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, get_buffer_string
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.base import OutputParserLike
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
@@ -35,7 +35,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 from typing_extensions import is_typeddict
 
-from ensemble_core import ConfigurationError, Ensemble, GenerationResult, InvalidOptionError
+from ensemble_core import ConfigurationError, Ensemble, GenerationResult, InputError, InvalidOptionError
 from ensemble_core.constraints.grammar import check_tools
 from ensemble_core.constraints.schemas import json_schema_format, strict_tools
 from ensemble_core.constraints.structured import structured_request
@@ -210,10 +210,25 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
         """Prompt tokens exactly as a call counts them: the primary member's chat-formatted prompt
-        (with the tools, rendered as that member receives them)."""
+        (with the tools, rendered as that member receives them).
+
+        A list no call would take on its own (none, only system text, only empty text) is still
+        counted, as LangChain counts any model's messages (the sum of each message's text tokens):
+        ``trim_messages(token_counter=chat)`` counts such pieces of a history (``[]``, the system
+        message alone) while it decides what fits, and raised before.
+        """
+        if not messages:
+            return 0
         primary = self._core_ensemble().method.primary
         request = check_tools(convert_tools(tools)) if tools else None
-        return len(primary.encode_prompt(primary.render(to_core_messages(messages), request)))
+        try:
+            core = to_core_messages(messages)
+            rendered = primary.render(core, request)
+        except InputError:
+            if not all(isinstance(m, BaseMessage) for m in messages):
+                raise
+            return sum(self.get_num_tokens(get_buffer_string([m])) for m in messages)
+        return len(primary.encode_prompt(rendered))
 
     # ------------------------------------------------------------------ tools and structured output
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool],

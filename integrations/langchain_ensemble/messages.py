@@ -38,8 +38,8 @@ from langchain_core.messages.tool import InvalidToolCall, ToolCall, ToolCallChun
 from ensemble_core import InputError, UnsupportedContentError
 from ensemble_core.constraints.structured import CallDelta, StructuredOutput, reply_content
 
-_CHAT_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "ai": "assistant",
-               "tool": "tool"}
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
+               "ai": "assistant", "tool": "tool"}  # developer: OpenAI's system role for reasoning models
 #: Blocks of an AIMessage's content that describe its tool calls (carried by ``tool_calls`` instead).
 _TOOL_CALL_BLOCKS = frozenset({"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call"})
 #: Provider-specific call blocks that LangChain leaves as ``non_standard`` (Anthropic's ``tool_use``,
@@ -93,6 +93,7 @@ def to_core_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
     if not messages:
         raise InputError("No messages were given: pass at least one HumanMessage.")
     out = []
+    called: dict[str, str] = {}  # tool call id -> the tool's name, for results that carry only the id
     for i, message in enumerate(messages):
         if not isinstance(message, BaseMessage):
             raise InputError(f"Message {i} is a {type(message).__name__}, not a LangChain message.")
@@ -101,8 +102,12 @@ def to_core_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
         if isinstance(message, AIMessage) and message.tool_calls:
             core["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "arguments": c.get("args", {})}
                                   for c in message.tool_calls]
+            called.update((str(c["id"]), c["name"]) for c in message.tool_calls if c.get("id"))
         if isinstance(message, ToolMessage):
-            core["tool_call_id"], core["name"] = message.tool_call_id, message.name
+            # ToolMessage(content, tool_call_id=...) is how results are usually written: the name comes from
+            # the call it answers (members that read tool turns as text see "Tool result (name): ...")
+            core["tool_call_id"] = message.tool_call_id
+            core["name"] = message.name or called.get(str(message.tool_call_id))
         elif isinstance(message, FunctionMessage):
             core["name"] = message.name
         out.append(core)
