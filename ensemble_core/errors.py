@@ -164,13 +164,14 @@ class UnsupportedContentError(InputError):
 class PromptTooLongError(InputError):
     """The prompt does not fit into a member's context window."""
 
-    def __init__(self, member: str, prompt_tokens: int, max_new_tokens: int, window: int) -> None:
+    def __init__(self, member: str, prompt_tokens: int, max_new_tokens: int, window: int, hint: str = "") -> None:
         self.member = member
         self.prompt_tokens, self.max_new_tokens, self.window = prompt_tokens, max_new_tokens, window
+        self.hint = hint  # what the caller's framework can change (an adapter adds it)
         super().__init__(
             f"The prompt is {prompt_tokens} tokens for member {member!r}, and with "
             f"max_new_tokens={max_new_tokens} it exceeds that member's context window of {window} "
-            "tokens. Shorten the prompt, lower max_new_tokens, or drop that member."
+            "tokens. Shorten the prompt, lower max_new_tokens, or drop that member." + (f" {hint}" if hint else "")
         )
 
 

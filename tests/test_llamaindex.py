@@ -123,20 +123,34 @@ def test_identical_configurations_share_one_ensemble(tiny_llm: EnsembleLLM, tiny
 
 
 def test_too_long_prompt_raises_a_typed_error_everywhere(tiny_llm: EnsembleLLM) -> None:
+    """The error names what a LlamaIndex user can change: LlamaIndex packed the prompt counting with its own
+    tokenizer (digits: SmolLM2 needs 1.78x cl100k's tokens; ``tree_summarize`` over Russian text failed so)."""
     prompt = "word " * 5000  # the tiny members' window is 4096 tokens
-    with pytest.raises(PromptTooLongError):
+    levers = r"Settings.tokenizer = llm.token_ids .* context_margin"
+    with pytest.raises(PromptTooLongError, match=levers):
         tiny_llm.complete(prompt)
-    with pytest.raises(PromptTooLongError):
+    with pytest.raises(PromptTooLongError, match=levers):
         list(tiny_llm.stream_chat([ChatMessage(role="user", content=prompt)]))
 
     async def run_async() -> None:
-        with pytest.raises(PromptTooLongError):
+        with pytest.raises(PromptTooLongError, match=levers):
             await tiny_llm.acomplete(prompt)
-        with pytest.raises(PromptTooLongError):
+        with pytest.raises(PromptTooLongError, match=levers):
             [c async for c in await tiny_llm.astream_complete(prompt)]
 
     asyncio.run(run_async())
     assert tiny_llm.complete("hi").raw["usage"]["completion_tokens"] <= 4  # and the ensemble is free again
+
+
+def test_token_ids_let_llamaindex_count_as_the_members_do(tiny_llm: EnsembleLLM, tiny_llama: Member) -> None:
+    """``Settings.tokenizer = llm.token_ids``: LlamaIndex's prompt helper counts with the primary member's
+    tokenizer, so what it packs into ``context_window`` fits the member whatever the language."""
+    from llama_index.core import PromptHelper
+
+    digits = "1234567890 " * 400  # cl100k: ~1600 tokens; SmolLM2's tokenizer: one per digit
+    assert tiny_llm.token_ids(digits) == tiny_llama.tokenizer(digits, add_special_tokens=False)["input_ids"]
+    helper = PromptHelper.from_llm_metadata(tiny_llm.metadata, tokenizer=tiny_llm.token_ids)
+    assert helper._token_counter.get_string_tokens(digits) == len(tiny_llm.token_ids(digits)) > 4000
 
 
 def test_options_are_validated(tiny_llm: EnsembleLLM, tiny_llama: Member) -> None:

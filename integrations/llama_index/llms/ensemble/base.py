@@ -14,6 +14,7 @@ the worker stops after the round it is in.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Dict, List, Type, Union
 
 from llama_index.core.base.llms.types import (
@@ -41,7 +42,15 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.program.utils import process_streaming_objects
 from llama_index.core.types import Model, PydanticProgramMode
 
-from ensemble_core import DEFAULT_MEMBERS, ConfigurationError, Ensemble, GenerationResult, InvalidOptionError, Member
+from ensemble_core import (
+    DEFAULT_MEMBERS,
+    ConfigurationError,
+    Ensemble,
+    GenerationResult,
+    InvalidOptionError,
+    Member,
+    PromptTooLongError,
+)
 from ensemble_core.constraints.grammar import check_tools
 from ensemble_core.constraints.schemas import json_schema_format, strict_tools
 from ensemble_core.constraints.structured import reply_content
@@ -202,6 +211,28 @@ class EnsembleLLM(FunctionCallingLLM):
     def _run(self, prompt: Prompt, kwargs: Dict[str, Any]) -> Run:
         return Run(self._ensemble, prompt, self._overrides(kwargs))
 
+    @contextmanager
+    def _fitted(self) -> Iterator[None]:
+        """A prompt too long for a member says what a LlamaIndex user can change: LlamaIndex packed it into
+        ``metadata.context_window`` counting with its own tokenizer, which counts text in other languages
+        (Russian: SmolLM2 needs 1.43x cl100k's tokens) or digits (1.78x) in far fewer tokens than the members."""
+        try:
+            yield
+        except PromptTooLongError as exc:
+            if exc.hint:
+                raise
+            hint = (f"LlamaIndex fitted the prompt into context_window={self.metadata.context_window} counting "
+                    "with its own tokenizer (Settings.tokenizer, tiktoken by default), which may count this text in "
+                    "fewer tokens than the member: set Settings.tokenizer = llm.token_ids (the members' primary "
+                    "tokenizer), or a larger context_margin (or a smaller context_window) on EnsembleLLM.")
+            raise PromptTooLongError(exc.member, exc.prompt_tokens, exc.max_new_tokens, exc.window, hint) from exc
+
+    def token_ids(self, text: str) -> List[int]:
+        """``text`` as the primary member's token ids (no special tokens): ``Settings.tokenizer = llm.token_ids``
+        makes LlamaIndex count prompts as the member that reads them does (SAFE: the drafter; other methods:
+        the first member), instead of with tiktoken's cl100k."""
+        return list(self._ensemble.method.primary.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _completion_messages(self, prompt: str, formatted: bool) -> list[dict[str, Any]]:
         """A completion prompt is one user message (see the class docstring)."""
         return [{"role": "user", "content": prompt if formatted else self.completion_to_prompt(prompt)}]
@@ -226,29 +257,38 @@ class EnsembleLLM(FunctionCallingLLM):
     # may still become) a call is held back and the calls arrive in that last response.
     def _generate(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Any:
         run = self._run(prompt, kwargs)
-        run.run()
-        result = settle(run)
+        with self._fitted():
+            run.run()
+            result = settle(run)
         return self._response(chat, result, reply_content(result.text, result.structured), None)
 
     def _stream(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Iterator[Any]:
         run = self._run(prompt, kwargs)  # validated now, so that bad options raise at the call
-        # call pieces have no place in a LlamaIndex response (its calls are blocks of the last one)
-        return (self._response(chat, reply.result, reply.text, reply.delta) for reply in run.replies()
-                if reply.delta or reply.result is not None)
+
+        def gen() -> Iterator[Any]:
+            with self._fitted():
+                # call pieces have no place in a LlamaIndex response (its calls are blocks of the last one)
+                for reply in run.replies():
+                    if reply.delta or reply.result is not None:
+                        yield self._response(chat, reply.result, reply.text, reply.delta)
+
+        return gen()
 
     async def _agenerate(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> Any:
         run = self._run(prompt, kwargs)
-        await run.arun()
-        result = await asettle(run)
+        with self._fitted():
+            await run.arun()
+            result = await asettle(run)
         return self._response(chat, result, reply_content(result.text, result.structured), None)
 
     async def _astream(self, prompt: Prompt, kwargs: Dict[str, Any], chat: bool) -> AsyncIterator[Any]:
         run = self._run(prompt, kwargs)
 
         async def gen() -> AsyncIterator[Any]:
-            async for reply in run.areplies():
-                if reply.delta or reply.result is not None:
-                    yield self._response(chat, reply.result, reply.text, reply.delta)
+            with self._fitted():
+                async for reply in run.areplies():
+                    if reply.delta or reply.result is not None:
+                        yield self._response(chat, reply.result, reply.text, reply.delta)
 
         return gen()
 
