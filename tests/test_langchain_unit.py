@@ -24,6 +24,7 @@ from langchain_core.messages import (
 )
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
+from langchain_core.runnables import ConfigurableField
 from langchain_core.tools import tool
 from langchain_ensemble import (
     ChatEnsemble,
@@ -544,3 +545,66 @@ async def test_cancelled_task_cancels_generation(tiny_gemma) -> None:
         await asyncio.sleep(0.01)
     assert run.result is not None and run.result.finish_reason == "cancelled"
     assert run.result.stats["tokens"] < 3000
+
+
+# ---------------------------------------------------------------- rebuilds: configurable_fields, model_copy
+def _saved(member, path) -> str:
+    """``member`` saved as a local directory: a member string (named after the directory) that loads in a blink."""
+    member.model.save_pretrained(path)
+    member.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_configurable_fields_rebuild_from_member_objects_and_a_prebuilt_ensemble(pair) -> None:
+    # LangChain rebuilds the model from every current field value (the model_name derived from the members,
+    # the empty method_config...) plus the configured ones: none of them is a clash
+    chat = ChatEnsemble(members=pair, method="single", max_tokens=4)
+    configurable = chat.configurable_fields(max_tokens=ConfigurableField(id="mt"))
+    result = configurable.with_config(configurable={"mt": 2}).invoke("Hi")
+    assert result.response_metadata["stats"]["tokens"] == 2
+    assert result.response_metadata["model_name"] == chat.model_name
+    built = Ensemble(pair, method="single")
+    prebuilt = ChatEnsemble(ensemble=built, max_tokens=3).configurable_fields(temperature=ConfigurableField(id="t"))
+    message = prebuilt.with_config(configurable={"t": 0.5}).invoke("Hi")
+    assert message.response_metadata["ensemble"] == built.name and message.response_metadata["stats"]["tokens"] == 3
+    # both given by the caller, and not the same members: still the typed errors
+    with pytest.raises(ConfigurationError, match="names other members"):
+        ChatEnsemble(members=pair, model="x+y")
+    with pytest.raises(ConfigurationError, match="either ensemble="):
+        ChatEnsemble(ensemble=built, method_config={"do_sample": False})
+
+
+def test_a_configurable_model_or_members_switches_the_member_set(pair, tiny_llama, tmp_path) -> None:
+    path = _saved(tiny_llama, tmp_path / "llama")
+    chat = ChatEnsemble(members=pair, method="single", max_tokens=2)
+    by_model = chat.configurable_fields(model_name=ConfigurableField(id="model"))
+    switched = by_model.with_config(configurable={"model": path}).invoke("Hi").response_metadata
+    assert switched["members"] == ["llama"] and switched["model_name"] == path and switched["method"] == "single"
+    assert by_model.invoke("Hi").response_metadata["members"] == [m.name for m in pair]  # not configured: as built
+    by_members = chat.configurable_fields(members=ConfigurableField(id="members"))
+    assert by_members.with_config(configurable={"members": [tiny_llama]}).invoke("Hi").response_metadata[
+        "model_name"] == tiny_llama.name
+    # a member string naming a directory: model_name is the member's name, and a rebuild passes both
+    local = ChatEnsemble(members=[path], method="single", max_tokens=2)
+    assert local.model_name == "llama"
+    assert local.configurable_fields(max_tokens=ConfigurableField(id="mt")).with_config(
+        configurable={"mt": 1}).invoke("Hi").response_metadata["stats"]["tokens"] == 1
+    # a prebuilt ensemble: a configured model runs those members with its method, as a per-call model= does
+    prebuilt = ChatEnsemble(ensemble=Ensemble(pair, method="single"), max_tokens=2)
+    meta = prebuilt.configurable_fields(model_name=ConfigurableField(id="model")).with_config(
+        configurable={"model": path}).invoke("Hi").response_metadata
+    assert meta["members"] == ["llama"] and meta["method"] == "single"
+
+
+def test_model_copy_with_an_update_runs_the_new_values(pair, tiny_gemma) -> None:
+    chat = ChatEnsemble(members=pair, method="single", max_tokens=3)
+    copied = chat.model_copy(update={"members": [tiny_gemma]})
+    assert copied.model_name == tiny_gemma.name and copied._core_ensemble() is not chat._core_ensemble()
+    assert copied.invoke("Hi").response_metadata["members"] == [tiny_gemma.name]
+    assert chat.invoke("Hi").response_metadata["members"] == [m.name for m in pair]  # the original is untouched
+    assert chat.model_copy(update={"max_tokens": 1}).invoke("Hi").response_metadata["stats"]["tokens"] == 1
+    assert chat.model_copy(update={"method": "every-token"})._core_ensemble().method_name == "every-token"
+    with pytest.raises(InvalidOptionError, match="max_tokens"):  # validated like the constructor
+        chat.model_copy(update={"max_tokens": -1})
+    assert chat.model_copy()._core_ensemble() is chat._core_ensemble()
+

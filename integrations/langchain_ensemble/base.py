@@ -36,9 +36,13 @@ unknown keyword args      names that are not config fields raise ConfigurationEr
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
+from langchain_core.runnables.config import RunnableConfig, ensure_config
+from langchain_core.runnables.configurable import RunnableConfigurableFields
+from langchain_core.runnables.utils import ConfigurableField
 from langchain_core.utils.pydantic import get_fields
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
@@ -66,6 +70,10 @@ PROVIDER = "ensemble"
 _IGNORED_CALL_KWARGS = frozenset({"stream"})
 #: Call-time keyword arguments that are not generation options.
 _CALL_ONLY = frozenset({"timeout", "model"})
+#: The fields that say which ensemble runs. ``model_name`` and ``members`` are two spellings of the members;
+#: ``ensemble`` replaces all of them.
+_MEMBER_SET = frozenset({"members", "model_name"})
+_ENSEMBLE_FIELDS = frozenset({"members", "model_name", "ensemble", "method", "method_config", "member_options"})
 
 
 def split_model(model: str) -> list[str]:
@@ -74,6 +82,42 @@ def split_model(model: str) -> list[str]:
     if not all(parts):
         raise InvalidOptionError("model", model, "member names joined by '+', e.g. 'smollm2-135m-instruct+gemma3-270m'")
     return parts
+
+
+def stale_fields(changed: set[str], current: Mapping[str, Any]) -> set[str]:
+    """The fields of ``current`` (an instance's values) that ``changed`` fields make stale in a rebuild.
+
+    A rebuild (``configurable_fields``, ``model_copy(update=...)``) passes every field again; the
+    other spelling of a member set that changed no longer describes it: a new ``model`` replaces
+    ``members`` (and a prebuilt ``ensemble``, keeping its method, as a per-call ``model=`` does), new
+    ``members`` replace ``model`` (and ``ensemble``), a new ``ensemble`` replaces the members, the
+    method and its config. ``model_name`` derived from the old members is stale in each case.
+    """
+    stale: set[str] = set()
+    if changed & _MEMBER_SET:
+        stale |= _MEMBER_SET | ({"ensemble"} if current.get("ensemble") is not None else set())
+    if "ensemble" in changed:
+        stale |= _ENSEMBLE_FIELDS
+    return stale - changed
+
+
+class _EnsembleConfigurableFields(RunnableConfigurableFields):
+    """``RunnableConfigurableFields`` for the adapters: LangChain rebuilds the model from *all* its
+    current field values plus the configured ones, so a configured ``model`` would come with the old
+    ``members``; this drops the fields a configured value makes stale (:func:`stale_fields`)."""
+
+    def _prepare(self, config: RunnableConfig | None = None) -> tuple[Any, RunnableConfig]:
+        config = ensure_config(config)
+        given = config.get("configurable", {})
+        changed = {name for name, spec in self.fields.items()  # options specs always apply (their default)
+                   if not isinstance(spec, ConfigurableField) or spec.id in given}
+        stale = stale_fields(changed, self.default.__dict__)
+        if not stale:
+            return super()._prepare(config)
+        default = copy.copy(self.default)  # only its __dict__ is read: the values passed to the rebuild
+        for name in stale:
+            default.__dict__.pop(name, None)
+        return RunnableConfigurableFields(default=default, fields=self.fields)._prepare(config)
 
 
 def usage_metadata(result: GenerationResult) -> dict[str, Any]:
@@ -132,12 +176,33 @@ class EnsembleFields(BaseModel):
             raise ConfigurationError(f"Invalid {type(self).__name__} options: {exc}") from exc
         self._bind_ensemble()
 
+    def configurable_fields(self, **kwargs: Any) -> Any:
+        """LangChain's ``configurable_fields``, for any field, ``model`` / ``members`` / ``ensemble`` included:
+        a configured member set replaces the instance's (:func:`stale_fields`)."""
+        fields = super().configurable_fields(**kwargs)  # type: ignore[misc]  # checks the names
+        return _EnsembleConfigurableFields(default=fields.default, fields=fields.fields)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Any:
+        """A copy; with ``update``, built anew from the copied values like ``cls(**values)``, so the new
+        values are validated and new members, method or config run (pydantic's copy would keep the old
+        ensemble). ``update`` may name ``model`` for ``model_name``; a new member set replaces the other
+        spelling of the old one (:func:`stale_fields`)."""
+        if not update:
+            return super().model_copy(deep=deep)
+        aliases = {info.alias: name for name, info in type(self).model_fields.items() if info.alias}
+        update = {aliases.get(k, k): v for k, v in update.items()}
+        copied = super().model_copy(deep=deep)
+        stale = stale_fields(set(update), copied.__dict__)
+        values = {k: v for k, v in copied.__dict__.items() if k in type(self).model_fields and k not in stale}
+        return type(self)(**{**values, **update})
+
     # ------------------------------------------------------------------ construction
     def _bind_ensemble(self) -> None:
         """Resolve the ensemble (cached per process) and check every option once, here."""
         explicit = self.model_fields_set
-        if self.ensemble is not None:
-            clash = {"members", "method_config", "member_options"} & explicit
+        if self.ensemble is not None:  # empty values are no clash: a rebuild passes every field
+            clash = {name for name in ("members", "method_config", "member_options")
+                     if getattr(self, name) not in (None, {})}
             if clash or ("method" in explicit and self.method != self.ensemble.method_name):
                 raise ConfigurationError(
                     f"Pass either ensemble= or {', '.join(sorted(clash or {'method'}))}=, not both: a prebuilt "
@@ -145,17 +210,31 @@ class EnsembleFields(BaseModel):
                 )
             self.method = self.ensemble.method_name
         if self.model_name is not None and self.members is not None:
-            if not all(isinstance(m, str) for m in self.members) or split_model(self.model_name) != list(self.members):
-                raise ConfigurationError(
-                    f"model={self.model_name!r} names other members than members={self.members!r}. Pass one of "
-                    "them (model='a+b' is short for members=['a', 'b'])."
-                )
+            self._check_model_names_members()
         ensemble = self._core_ensemble()
         if self.model_name is None:
-            self.model_name = "+".join(m.name for m in ensemble.members)
+            self.model_name = member_names(ensemble)
         check_number("timeout", self.timeout, 0, above=True, optional=True, expected="a number > 0.0 (or None)")
         check_int("max_retries", self.max_retries, 0, optional=True, expected="an integer >= 0 (or None)")
         ensemble.config.replace(**self._generation_overrides({}, None))  # validates the standard params
+
+    def _check_model_names_members(self) -> None:
+        """``model`` and ``members`` both given: ``model`` must be the members' names (as given, or as
+        the built ensemble names them: what ``model_name`` is filled with, so a rebuild passes it)."""
+        assert self.model_name is not None and self.members is not None
+        members = list(self.members)
+        if all(isinstance(m, str) for m in members) and split_model(self.model_name) == members:
+            return
+        error = ConfigurationError(
+            f"model={self.model_name!r} names other members than members={self.members!r}. Pass one of "
+            "them (model='a+b' is short for members=['a', 'b'])."
+        )
+        try:
+            names = member_names(self._core_ensemble())
+        except Exception as exc:  # members that do not load: the clash is the error to report
+            raise error from exc
+        if names != self.model_name:
+            raise error
 
     def _core_ensemble(self) -> Ensemble:
         if self._core is None:
@@ -239,6 +318,11 @@ class EnsembleFields(BaseModel):
             "member_options": self.member_options, "temperature": self.temperature, "max_tokens": self.max_tokens,
             "top_p": self.top_p, "seed": self.seed, "stop": self.stop,
         }
+
+
+def member_names(ensemble: Ensemble) -> str:
+    """The ``model_name`` of an ensemble: its members' names joined by ``"+"``."""
+    return "+".join(m.name for m in ensemble.members)
 
 
 def _collect_method_options(cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
