@@ -608,3 +608,13 @@ def test_model_copy_with_an_update_runs_the_new_values(pair, tiny_gemma) -> None
         chat.model_copy(update={"max_tokens": -1})
     assert chat.model_copy()._core_ensemble() is chat._core_ensemble()
 
+
+def test_stream_usage_is_accepted_and_the_last_chunk_carries_the_usage(chat, pair) -> None:
+    streamed = ChatEnsemble(members=pair, method="single", max_tokens=3, stream_usage=True)
+    for chunks in (list(streamed.stream("Hi")), list(chat.stream("Hi", stream_usage=True))):
+        assert [c for c in chunks if c.usage_metadata] == [chunks[-1]]
+    assert chat.invoke("Hi", stream_usage=True).usage_metadata["output_tokens"] > 0
+    with pytest.raises(InvalidOptionError, match="stream_usage"):
+        ChatEnsemble(members=pair, method="single", stream_usage=False)
+    with pytest.raises(InvalidOptionError, match="stream_usage"):
+        list(chat.stream("Hi", stream_usage=False))

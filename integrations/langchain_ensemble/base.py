@@ -29,6 +29,8 @@ unknown keyword args      names that are not config fields raise ConfigurationEr
                           transient (network, rate-limit) errors to retry, and repeating a
                           deterministic failure would only waste time
 ``streaming``             ``invoke`` goes through ``_stream`` (callbacks per chunk)
+``stream_usage``          ``True`` / ``None`` (field or per call): a stream's last chunk carries the
+                          usage, which it always does; ``False`` (dropping it) raises
 ``api_key``               accepted for drop-in compatibility with hosted chat models; local
                           members need no key and it is never read
 ========================  ==========================================================
@@ -69,7 +71,7 @@ PROVIDER = "ensemble"
 #: Call-time keyword arguments that LangChain itself may forward and that carry no option.
 _IGNORED_CALL_KWARGS = frozenset({"stream"})
 #: Call-time keyword arguments that are not generation options.
-_CALL_ONLY = frozenset({"timeout", "model"})
+_CALL_ONLY = frozenset({"timeout", "model", "stream_usage"})
 #: The fields that say which ensemble runs. ``model_name`` and ``members`` are two spellings of the members;
 #: ``ensemble`` replaces all of them.
 _MEMBER_SET = frozenset({"members", "model_name"})
@@ -82,6 +84,13 @@ def split_model(model: str) -> list[str]:
     if not all(parts):
         raise InvalidOptionError("model", model, "member names joined by '+', e.g. 'smollm2-135m-instruct+gemma3-270m'")
     return parts
+
+
+def check_stream_usage(value: Any) -> None:
+    """``stream_usage`` (ChatOpenAI's field and call keyword): ``True`` / ``None``, what a stream always does here."""
+    if value is not None and value is not True:
+        raise InvalidOptionError("stream_usage", value, "True or None: the last chunk of a stream always carries "
+                                 "usage_metadata (leaving it out is not supported)")
 
 
 def stale_fields(changed: set[str], current: Mapping[str, Any]) -> set[str]:
@@ -160,6 +169,9 @@ class EnsembleFields(BaseModel):
     timeout: float | None = None
     max_retries: int | None = None
     streaming: bool = False
+    stream_usage: bool | None = None
+    """``True`` or ``None``: a stream's last chunk carries ``usage_metadata``, as it always does here
+    (ChatOpenAI's option; ``False`` raises: the usage cannot be left out)."""
     api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
 
     _core: Ensemble | None = PrivateAttr(default=None)
@@ -200,6 +212,7 @@ class EnsembleFields(BaseModel):
     def _bind_ensemble(self) -> None:
         """Resolve the ensemble (cached per process) and check every option once, here."""
         explicit = self.model_fields_set
+        check_stream_usage(self.stream_usage)
         if self.ensemble is not None:  # empty values are no clash: a rebuild passes every field
             clash = {name for name in ("members", "method_config", "member_options")
                      if getattr(self, name) not in (None, {})}
@@ -271,6 +284,7 @@ class EnsembleFields(BaseModel):
     def _prepare(self, prompt: Prompt, stop: list[str] | None, kwargs: Mapping[str, Any]) -> tuple[Run, Ensemble, str]:
         """One core run for a call: ensemble, overrides, timeout. Unknown kwargs raise."""
         kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_KWARGS}
+        check_stream_usage(kwargs.get("stream_usage", self.stream_usage))
         ensemble, model_name = self._ensemble_for(kwargs.get("model"))
         overrides = self._generation_overrides(dict(kwargs), stop, ensemble)
         timeout = kwargs.get("timeout", self.timeout)
