@@ -16,6 +16,7 @@ from ensemble_core.decoding.rows import next_row
 from ensemble_core.decoding.stats import MemberStats, TokenLevelStats
 from ensemble_core.decoding.view import MemberView, start_views
 from ensemble_core.methods.reliability import Votes, check_weights, member_weights
+from ensemble_core.methods.selection import finish_text
 from ensemble_core.options import FusionOptions, ReliabilityOptions, check_int, sub_token_rule
 from ensemble_core.text.alignment import DEFAULT_MARGIN
 from ensemble_core.text.chat import Prompt
@@ -81,8 +82,10 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
     next string (:mod:`~ensemble_core.text.distributions`, the same code as SAFE's). Every
     member runs every step, and a member asked right after a boundary it would not have
     made (``Inc|orrect`` for a ``Incorrect`` tokenizer) contributes a poor distribution.
-    ``max_new_tokens`` counts the first member's tokens; the last string may overshoot it
-    by the few extra tokens it spans.
+    ``max_new_tokens`` counts the first member's tokens: a fused string that would overshoot it
+    (one token of another member can be several of the first's: a CJK word, an emoji) is cut
+    to the budget at a character boundary (:func:`~ensemble_core.methods.selection.finish_text`)
+    and ends the answer with ``finish_reason="length"``.
     """
 
     name = "every-token"
@@ -140,12 +143,12 @@ class EveryTokenEnsemble(EnsembleMethod[EveryTokenConfig]):
         key = candidates.keys[chosen]
         if isinstance(key, EndOfText):
             return Chunk("", done=True, finish_reason="eos")
-        piece = key.decode("utf-8")
+        piece, cut, _, _ = finish_text(request.views[0], request.text, key.decode("utf-8"), config.max_new_tokens)
         for view in request.views:
             view.pipeline.commit(piece)
         request.text += piece
         request.ensembled += 1
-        return Chunk(piece)
+        return Chunk(piece, done=True, finish_reason="length") if cut else Chunk(piece)
 
     def stats(self, request: _EveryTokenRequest) -> TokenLevelStats:
         tokens = self.members[0].count_tokens(request.text) if request.text else 0
