@@ -40,6 +40,7 @@ class _SelectRequest:
     answers: list[Candidate] = field(default_factory=list)
     scores: list[list[float]] = field(default_factory=list)
     chosen: int | None = None
+    text: str = ""  # the returned text: the chosen answer cut to the token budget
     seconds: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0})
     votes: Votes | None = None  # the judges' weights (reliability) and the chosen answer's member
 
@@ -95,13 +96,13 @@ class GenerateThenSelect(EnsembleMethod[SelectionConfig]):
         if request.votes is not None:
             request.votes.win(chosen.member)
         text, cut, _, _ = finish_text(views[0], "", chosen.text, cfg.max_new_tokens)
+        request.text = text
         return Chunk(text, done=True, finish_reason="length" if cut or not chosen.finished else chosen.end)
 
     def stats(self, request: _SelectRequest) -> GenerateThenSelectStats:
         names = [m.name for m in self.members]
-        chosen = request.answers[request.chosen].text if request.chosen is not None else ""
-        return GenerateThenSelectStats(
-            method=self.name, tokens=self.primary.count_tokens(chosen) if chosen else 0, rounds=1,
+        return GenerateThenSelectStats(  # tokens: the returned text's, in the primary member's tokenizer
+            method=self.name, tokens=self.primary.count_tokens(request.text) if request.text else 0, rounds=1,
             members=self._members_stats(request), reliability=request.votes.source if request.votes else None,
             drafters=[names[i] for i in request.drafters], verifiers=[names[i] for i in request.verifiers],
             seconds={k: round(v, 4) for k, v in request.seconds.items()}, chosen=request.chosen,
