@@ -41,6 +41,33 @@ def test_every_token_baseline(tiny_llama: Member, tiny_gemma: Member, distributi
     assert [r.text for r in method.batch(PROMPTS[:1])] == [result.text]
 
 
+ZH = "北京是哪个国家的首都？请用中文回答。"
+
+
+@pytest.mark.parametrize(("seed", "budget"), [(0, 12), (1, 6)])
+def test_every_token_cuts_the_last_fused_string_to_the_budget(seed: int, budget: int) -> None:
+    """``max_new_tokens`` counts the first member's tokens: a fused string that spans more of them than are left
+    (tiny seed 0: a 4-byte CJK character with 2 tokens left; seed 1: ``oom`` after ``subdul``) is cut at a
+    character boundary and ends the answer with ``length`` (it was appended whole: 14 tokens for 12, 7 for 6)."""
+    members = [tiny_member("smollm2-135m-instruct", seed=seed, initializer_range=0.2),
+               tiny_member("qwen2.5-coder-0.5b-instruct", seed=seed, initializer_range=0.2)]
+    method = Ensemble(members, method="every-token")
+    result = method.generate(ZH, max_new_tokens=budget)
+    assert result.finish_reason == "length" and FFFD not in result.text
+    assert 0 < result.stats["tokens"] <= budget, (result.stats["tokens"], result.text)
+    longer = method.generate(ZH, max_new_tokens=budget + 8)  # greedy: the same strings, the cut one whole
+    assert longer.text.startswith(result.text) and len(longer.text) > len(result.text)
+    assert "".join(method.stream(ZH, max_new_tokens=budget)) == result.text
+
+
+@pytest.mark.real
+def test_every_token_keeps_a_real_cjk_answer_within_the_budget(smollm2: Member, qwen: Member) -> None:
+    """SmolLM2 first, Qwen's ``中华人民`` is one token but 7 SmolLM2 byte tokens: it wrote 12 tokens for 6."""
+    result = Ensemble([smollm2, qwen], method="every-token").generate(ZH, max_new_tokens=6)
+    assert (result.text, result.finish_reason, result.stats["tokens"]) == ("北京是中", "length", 6)
+    assert smollm2.count_tokens(result.text) == 6
+
+
 
 # ----------------------------------------------------------------------------- generate-then-select
 def test_generate_then_select_returns_one_members_full_answer(tiny_pair: list[Member]) -> None:
@@ -62,6 +89,16 @@ def test_generate_then_select_with_prompt_lookup_writes_the_same_answers(tiny_pa
                                                                              plain.stats["scores"])
     passes = [[m["forward_passes"] for m in r.stats["members"]] for r in (plain, looked)]
     assert sum(passes[1]) < sum(passes[0]), passes
+
+
+def test_generate_then_select_counts_the_tokens_it_returns() -> None:
+    """``stats["tokens"]`` is the returned text's length in the primary member's tokens, as for the other methods:
+    not the chosen answer's before the budget cut (Qwen's answer, 17 SmolLM2 tokens for a budget of 6)."""
+    members = [tiny_member("smollm2-135m-instruct", seed=5, initializer_range=0.2),
+               tiny_member("qwen2.5-coder-0.5b-instruct", seed=5, initializer_range=0.2)]
+    result = GenerateThenSelect(members, max_new_tokens=6).generate(ZH)
+    assert result.stats["chosen"] == 1 and result.finish_reason == "length"
+    assert result.stats["tokens"] == members[0].count_tokens(result.text) == 6, (result.stats, result.text)
 
 
 
