@@ -228,3 +228,19 @@ def test_real_pair_streams_what_it_generates(real_pair: list[Member]) -> None:
     assert result.text and result.completion_tokens <= 24 and "\nUser:" not in result.text
     assert sum(result.stats["wins"]) == result.stats["rounds"] >= 2
     assert result.stats["boundary_fallbacks"] == 0
+
+
+def test_a_stop_string_across_two_segments_is_cut_before_it() -> None:
+    """A stop that begins at the end of one committed segment and ends in the next draft (CJK text has no
+    spaces to end segments at, so a stop like 'さは' straddles often): the answer ends before the stop. The
+    draft was cut to "" and the stop's first part ('…Mah' for 'hM' here, '…高さ' with the real pair) stayed."""
+    members = [tiny_member("smollm2-135m-instruct", seed=0, initializer_range=0.2),
+               tiny_member("gemma3-270m", seed=0, initializer_range=0.2)]
+    ens = Ensemble(members, method="specem", segment_length=4, max_new_tokens=24)
+    chunks = list(ens.stream("Hi"))
+    full = "".join(chunks)
+    ends = {chunks[i][-1] + chunks[i + 1][0] for i in range(len(chunks) - 1) if chunks[i] and chunks[i + 1]}
+    assert "hM" in ends  # segments '...Mah' and 'Mah...': the stop straddles them
+    for stop in ("hM", "y "):
+        result = ens.generate("Hi", stop=[stop])
+        assert (result.text, result.finish_reason) == (full[: full.find(stop)], "stop"), stop

@@ -264,7 +264,8 @@ def _scores_table(ids: list[int], table: list[list[float]]) -> DraftScores:
 
 
 # ----------------------------------------------------------------------------- draft / verify
-def _find_stop(text: str, stops: Sequence[str]) -> int:
+def find_stop(text: str, stops: Sequence[str]) -> int:
+    """Where the first of ``stops`` begins in ``text`` (-1: none does)."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else -1
 
@@ -297,9 +298,15 @@ class _Segment:
         if self.stops or len(self.ids) >= self.length:
             self.text = decode_suffix(self.member.tokenizer, self.context, self.ids)
         if self.stops:
-            at = _find_stop(self.tail + self.text, self.stops)
+            whole = self.tail + self.text
+            at = find_stop(whole, self.stops)
             if at >= 0:
-                self.text, self.end = self.text[: max(at - len(self.tail), 0)], "stop"
+                # cut before the stop; one that began in the shared text is kept up to its end instead (that
+                # text is not the draft's to take back): committed, the generation loop finds the whole stop
+                # and cuts the answer before it (cut to "", the stop's first part stayed in the answer)
+                stop = min(len(s) for s in self.stops if whole.startswith(s, at))
+                keep = at + stop if at < len(self.tail) else at
+                self.text, self.end = self.text[: keep - len(self.tail)], "stop"
                 return True
         return len(self.ids) >= self.length and not (
             self.text.endswith(REPLACEMENT_CHAR) and len(self.ids) < self.length + PARTIAL_CHAR_TOKENS)

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ensemble_core.decoding.drafting import DraftScores, draft_segment
+from ensemble_core.decoding.drafting import DraftScores, draft_segment, find_stop
 from ensemble_core.decoding.generation import GenerationConfig
 from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.runner import is_quiet, member_thread
@@ -235,7 +235,8 @@ def draft(view: MemberView, index: int, length: int, stops: Sequence[str], share
 
     The draft runs on a cache branch (rewound afterwards): the state keeps its context
     and the row after it, which verification reuses. A draft stops at EOS, at a stop
-    string (cut before it) or at ``length`` tokens (a few more if the last character is
+    string (cut before it; one that began in ``shared`` is kept to its end, so that the generation
+    loop, which sees the whole answer, cuts before it) or at ``length`` tokens (a few more if the last character is
     unfinished). ``lookup``: prompt-lookup guesses per pass (``SelectionConfig.prompt_lookup``).
     """
     tail = shared[-max((len(s) for s in stops), default=1):] if stops else ""
@@ -244,7 +245,9 @@ def draft(view: MemberView, index: int, length: int, stops: Sequence[str], share
     view.pipeline.restore(mark)  # the grammar follows the committed text, not this draft
     if not shared:
         text = text.lstrip()
-    if trim:
+    if end == "stop" and find_stop(tail + text, stops) >= 0:
+        pass  # the rest of a stop string that began in the shared text, kept whole for the loop to cut at
+    elif trim:
         text = postprocess_segment(text, end is not None)
     else:
         text = text.replace(REPLACEMENT_CHAR, "")
