@@ -88,3 +88,19 @@ def test_clearing_unreferenced_models_keeps_the_held_ones_shared(smollm2: Member
     clear_loaded(unreferenced_only=True)
     assert spare_model() is None  # freed
     assert Member.load("smollm2-135m-instruct").model is smollm2.model  # the held one is still shared
+
+
+def test_a_character_the_budget_cuts_in_half_is_not_returned(smollm2: Member) -> None:
+    """SmolLM2 spells most CJK characters in 2-3 byte tokens: a budget that ends inside one left U+FFFD at
+    the end of ``single``'s answer ('北�', '北京是�'); the other methods already dropped the half character."""
+    from ensemble_core import Ensemble
+
+    prompt = "请用中文回答：北京是哪个国家的首都？"
+    full = Ensemble([smollm2], method="single", max_new_tokens=24).generate(prompt).text
+    assert full.startswith("北京是")
+    for budget in (3, 6):
+        stream = Ensemble([smollm2], method="single", max_new_tokens=budget).stream(prompt)
+        pieces = list(stream)
+        result = stream.result
+        assert result.finish_reason == "length" and "\ufffd" not in result.text, (budget, result.text)
+        assert "".join(pieces) == result.text and full.startswith(result.text) and result.text, budget

@@ -412,8 +412,9 @@ class GenerationStream:
                 stripped = raw.lstrip()
                 lead, lead_fixed = len(raw) - len(stripped), bool(stripped)
             end = len(raw)
-            if not done:  # hold back a possible stop-string start and an unfinished character
+            if not done:  # hold back a possible stop-string start
                 end -= _holdback(raw, stops)
+            if not done or finish == "length":  # and an unfinished character, for good where the budget cut it
                 while end > lead and raw[end - 1] == REPLACEMENT_CHAR:
                     end -= 1
             start = max(emitted, lead)
