@@ -69,10 +69,12 @@ def test_prefix_merge_reads_its_scores_once() -> None:
 #: device) 0.66 (0.7 before the one-read fusion; 1.9 with one read per drafted token); SpecEM 0.25 (each
 #: member's segment and its verify scores read once per round; was 1.56: one read per token drafted
 #: and per candidate scored, which the counter missed while it saw no reads in inference mode: it said
-#: 0.31); generate-then-select 0.08 (was 0.88; an answer is read in chunks of 16 tokens). The bounds
+#: 0.31); generate-then-select 0.19 (was 0.88; an answer is read in chunks of 16 tokens: 6 reads for the
+#: 32 tokens returned; 0.08 when ``stats["tokens"]`` still counted the chosen answer before the budget cut,
+#: in the primary's tokens, ~75 for Qwen's 32). The bounds
 #: leave ~20 % for honest changes; a read per member, per token drafted, per candidate or per
 #: vocabulary entry breaks them.
-BOUNDS = {"single": 1.0, "every-token": 3.1, "safe": 0.9, "specem": 0.3, "generate-then-select": 0.1}
+BOUNDS = {"single": 1.0, "every-token": 3.1, "safe": 0.9, "specem": 0.3, "generate-then-select": 0.23}
 
 
 @pytest.mark.parametrize("method", list(BOUNDS))
