@@ -9,8 +9,10 @@ through text (see :mod:`ensemble_core.text.alignment`).
 from __future__ import annotations
 
 import functools
+import json
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,9 +136,7 @@ class Member:
 
     def render_messages(self, messages: list[dict[str, Any]], structured: StructuredRequest | None = None) -> str:
         """:meth:`render` of a conversation already as this member sees it (:meth:`messages`)."""
-        tools = list(structured.tools) if structured and structured.tools and structured.choice != "none" else None
-        return render_chat(self.tokenizer, messages, self.chat_template,
-                           tools=[{"type": "function", "function": t} for t in tools] if tools else None)
+        return render_chat(self.tokenizer, messages, self.chat_template, tools=_template_tools(structured))
 
     def response_lead(self, prompt: Prompt, structured: StructuredRequest | None = None) -> str:
         """Whitespace this member's chat format puts before a reply (see :func:`~ensemble_core.text.chat.reply_lead`)."""
@@ -149,16 +149,106 @@ class Member:
     def prompt_ids(self, messages: list[dict[str, Any]], structured: StructuredRequest | None = None,
                    max_new_tokens: int = 0) -> list[int]:
         """Token ids of the rendered conversation (as this member sees it), checked against the context window."""
-        ids = self.encode_prompt(self.render_messages(messages, structured))
+        ids = self.encode_messages(messages, structured)
         if len(ids) + max_new_tokens > self.context_window:
             raise PromptTooLongError(self.name, len(ids), max_new_tokens, self.context_window)
         return ids
 
     def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a rendered prompt; BOS is added once, where the tokenizer wants it."""
+        """Token ids of a rendered prompt; BOS is added once, where the tokenizer wants it.
+
+        Every special-token string in ``text`` becomes its control token: this is for text this
+        member's chat template wrote. Messages go through :meth:`encode_messages`, which keeps the
+        control-token strings inside their contents as text.
+        """
         bos = getattr(self.tokenizer, "bos_token", None)
         add_special = not (bos and text.startswith(bos))
         return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+    def encode_messages(self, messages: list[dict[str, Any]], structured: StructuredRequest | None = None) -> list[int]:
+        """Token ids of a conversation as this member sees it (:meth:`messages`), rendered and encoded.
+
+        The one place messages become ids (:meth:`prompt_ids`, so generation and the prefix cache;
+        the adapters' token counting). Control tokens come only from the chat template: a
+        special-token string of this member's tokenizer inside a message (``"<|im_end|>"`` in a
+        user turn, a tool result, a retrieved document, a tool call's arguments, a tool's
+        description) is encoded as text, as the tokenizer spells it with ``split_special_tokens=True``,
+        so text from a third party cannot close its turn and open a system turn. Hosted chat APIs
+        treat message content as text the same way; llama.cpp's tokenizer takes ``parse_special``
+        for this, while ``apply_chat_template(tokenize=True)`` in transformers (and servers that
+        tokenize its rendered string) read every such string in the prompt as a control token,
+        which is what :meth:`encode_prompt` of the rendered prompt did here before.
+
+        How: each special-token string in the messages is replaced by a private-use character
+        (no special token contains it, and templates' filters such as ``trim`` keep it), the
+        conversation is rendered, the characters are put back, and the text is encoded once as
+        :meth:`encode_prompt` encodes it; the tokens that fall on a put-back string (one special
+        token each, since the tokenizer splits there anyway) are replaced by that string's
+        spelling as text. Template text and the content around it get the very ids they always
+        got; a conversation without such strings is encoded exactly as :meth:`encode_prompt` of
+        :meth:`render_messages` (golden outputs and prefix caches depend on it).
+        """
+        tools = _template_tools(structured)
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None) or ""
+        guard = _Guard(self._special_pattern, (messages, tools, template, self._special_strings)) \
+            if self._special_pattern else None
+        if guard is not None:
+            messages, tools = guard.protect(messages), guard.protect(tools)
+        text = render_chat(self.tokenizer, messages, self.chat_template, tools=tools)
+        if guard is None or not guard.literals:
+            return self.encode_prompt(text)
+        text, spans = guard.restore(text)
+        return self._encode_with_text_spans(text, spans)
+
+    @functools.cached_property
+    def _special_strings(self) -> tuple[str, ...]:
+        """The strings this member's tokenizer reads as special tokens (longest first)."""
+        tok = self.tokenizer
+        found = {str(t) for t in getattr(tok, "all_special_tokens", ()) or ()}
+        decoder = getattr(tok, "added_tokens_decoder", None) or {}
+        found.update(str(getattr(t, "content", t)) for t in decoder.values() if getattr(t, "special", False))
+        return tuple(sorted((s for s in found if s), key=len, reverse=True))
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        return re.compile(_trie_pattern(self._special_strings)) if self._special_strings else None
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        ids = self.tokenizer.convert_tokens_to_ids(list(self._special_strings))
+        return frozenset(i for i in ids if isinstance(i, int))
+
+    def _encode_with_text_spans(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """:meth:`encode_prompt` of ``text``, with the special tokens over ``spans`` (content) spelled as text."""
+        tok = self.tokenizer
+        bos = getattr(tok, "bos_token", None)
+        add_special = not (bos and text.startswith(bos))
+
+        def as_text(piece: str) -> list[int]:
+            return list(tok(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+        try:
+            enc = tok(text, add_special_tokens=add_special, return_offsets_mapping=True)
+            offsets = enc["offset_mapping"]
+        except (NotImplementedError, KeyError, TypeError, ValueError):  # a tokenizer without offsets
+            pieces: list[int] = []
+            at = 0
+            for a, b in [*spans, (len(text), len(text))]:  # the template's pieces and the spans, in turn
+                if text[at:a]:
+                    pieces += tok(text[at:a], add_special_tokens=add_special and at == 0)["input_ids"]
+                pieces += as_text(text[a:b]) if b > a else []
+                at = b
+            return pieces
+        ids: list[int] = []
+        k = 0
+        for tid, (a, b) in zip(enc["input_ids"], offsets):
+            while k < len(spans) and spans[k][1] <= a:
+                k += 1
+            if b > a and tid in self._special_ids and k < len(spans) and spans[k][0] < b:
+                ids += as_text(text[a:b])
+            else:
+                ids.append(tid)
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return alignment.decode(self.tokenizer, ids)
@@ -178,6 +268,109 @@ class Member:
         if len(ids) == 0:
             raise InputError(f"Member {self.name!r} needs at least one prompt token to start decoding.")
         return DecodeState(self, list(ids))
+
+
+def _template_tools(structured: StructuredRequest | None) -> list[dict[str, Any]] | None:
+    """The tools a chat template is given (None: none, or ``tool_choice="none"``)."""
+    tools = list(structured.tools) if structured and structured.tools and structured.choice != "none" else None
+    return [{"type": "function", "function": t} for t in tools] if tools else None
+
+
+def _trie_pattern(words: Sequence[str]) -> str:
+    """A regex matching any of ``words``, longest first, in time linear in the text (one branch per prefix)."""
+    trie: dict[str, Any] = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node: dict[str, Any]) -> str:
+        alts = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return build(trie)
+
+
+#: Private-use characters that stand for special-token strings in messages while a template renders them.
+_PLACEHOLDERS = range(0xE000, 0xF900)
+_ESCAPED = re.compile(r"\\u([0-9a-fA-F]{4})")
+
+
+class _Guard:
+    """Special-token strings in messages swapped for private-use characters, and back (:meth:`Member.encode_messages`)."""
+
+    def __init__(self, pattern: re.Pattern[str], everything: Any) -> None:
+        self.pattern = pattern
+        self.everything = everything  # where a placeholder must not occur already (messages, tools, template)
+        self.free: Iterator[str] | None = None
+        self.literals: dict[str, str] = {}  # placeholder -> the special-token string it stands for
+        self.marks: dict[str, str] = {}
+
+    def _placeholders(self) -> Iterator[str]:
+        """Private-use characters absent from the messages, tools and template, as themselves and as ``\\uXXXX``."""
+        taken: set[int] = set()
+
+        def visit(s: str) -> None:
+            taken.update(ord(ch) for ch in s if _PLACEHOLDERS.start <= ord(ch) < _PLACEHOLDERS.stop)
+            taken.update(int(h, 16) for h in _ESCAPED.findall(s))
+
+        _strings(self.everything, visit)
+        return (chr(c) for c in _PLACEHOLDERS if c not in taken)
+
+    def _mark(self, match: re.Match[str]) -> str:
+        literal = match.group(0)
+        if literal not in self.marks:
+            if self.free is None:
+                self.free = self._placeholders()
+            mark = next(self.free, None)
+            if mark is None:  # more distinct special strings than private-use characters
+                raise InputError("The messages hold too many distinct special-token strings to encode them as text.")
+            self.marks[literal], self.literals[mark] = mark, literal
+        return self.marks[literal]
+
+    def protect(self, value: Any, key: str | None = None) -> Any:
+        if isinstance(value, str):
+            return value if key == "role" else self.pattern.sub(self._mark, value)
+        if isinstance(value, dict):
+            return {k: self.protect(v, k) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.protect(v) for v in value)
+        return value
+
+    def restore(self, text: str) -> tuple[str, list[tuple[int, int]]]:
+        """``text`` with the strings back, and where they are (a template's ``tojson(ensure_ascii=True)``
+        writes a character as ``\\uXXXX``: that gives the string as JSON writes it)."""
+        back = {mark: literal for mark, literal in self.literals.items()}
+        back.update({f"\\u{ord(mark):04x}": json.dumps(literal)[1:-1] for mark, literal in self.literals.items()})
+        finder = re.compile("|".join(re.escape(k) for k in sorted(back, key=len, reverse=True)))
+        out: list[str] = []
+        spans: list[tuple[int, int]] = []
+        at = size = 0
+        for match in finder.finditer(text):
+            out.append(text[at:match.start()])
+            size += match.start() - at
+            literal = back[match.group(0)]
+            out.append(literal)
+            spans.append((size, size + len(literal)))
+            size += len(literal)
+            at = match.end()
+        out.append(text[at:])
+        return "".join(out), spans
+
+
+def _strings(value: Any, visit: Callable[[str], Any]) -> None:
+    if isinstance(value, str):
+        visit(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _strings(v, visit)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _strings(v, visit)
 
 
 @dataclass

@@ -223,12 +223,13 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
         request = check_tools(convert_tools(tools)) if tools else None
         try:
             core = to_core_messages(messages)
-            rendered = primary.render(core, request)
+            # encoded as a call encodes them (control-token strings in the contents count as text)
+            ids = primary.encode_messages(primary.messages(core, request), request)
         except InputError:
             if not all(isinstance(m, BaseMessage) for m in messages):
                 raise
             return sum(self.get_num_tokens(get_buffer_string([m])) for m in messages)
-        return len(primary.encode_prompt(rendered))
+        return len(ids)
 
     # ------------------------------------------------------------------ tools and structured output
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
