@@ -178,7 +178,7 @@ class HFSingleRunner:
     @torch.inference_mode()
     def run(self, prompt: list[dict[str, str]], max_new_tokens: int) -> RunOutput:
         member = self.member
-        ids = member.encode_prompt(member.render(prompt))
+        ids = member.encode_messages(member.messages(prompt))  # as a request encodes it (control strings as text)
         input_ids = torch.tensor([ids], dtype=torch.long, device=member.device)
         eos = sorted(member.eos_token_ids)
         kwargs: dict[str, Any] = {}
