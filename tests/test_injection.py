@@ -135,3 +135,17 @@ def test_langchain_counts_as_a_call_encodes() -> None:
     ensemble_primary = chat._core_ensemble().method.primary
     assert counted == len(ensemble_primary.prompt_ids(ensemble_primary.messages("Summarise: " + INJECTION)))
     assert counted != len(old_encoding(ensemble_primary, [{"role": "user", "content": "Summarise: " + INJECTION}]))
+
+
+@pytest.mark.parametrize("where", ["user", "tool result", "system"])
+def test_a_tokenizer_without_offsets_encodes_the_same(member: Member, where: str) -> None:
+    """The piece-by-piece encoding (for tokenizers that give no offsets) equals the offsets path."""
+    from ensemble_core.decoding.members import _encode_pieces, _Guard
+
+    messages = member.messages(conversations(INJECTION)[where])
+    guard = _Guard(member._special_pattern, (messages, member.chat_template or "", member._special_strings))
+    text, spans = guard.restore(member.render_messages(guard.protect(messages)))
+    assert spans
+    bos = member.tokenizer.bos_token
+    pieces = _encode_pieces(member.tokenizer, text, spans, not (bos and text.startswith(bos)))
+    assert pieces == member.prompt_ids(messages)
