@@ -249,8 +249,13 @@ class Member:
     def tokenize(self, text: str) -> alignment.Tokenized:
         return alignment.tokenize(self.tokenizer, text)
 
+    def text_ids(self, text: str) -> list[int]:
+        """``text`` as this member's token ids, no special tokens added (what usage and budgets count; the
+        adapters' ``get_token_ids`` / ``token_ids``)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(self.text_ids(text))
 
     # ---------------------------------------------------------------- decoding
     def start(self, prompt: Prompt, max_new_tokens: int = 0, structured: StructuredRequest | None = None) -> DecodeState:

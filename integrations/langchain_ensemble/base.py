@@ -300,8 +300,7 @@ class EnsembleFields(BaseModel):
         """
         if getattr(self, "custom_get_token_ids", None) is not None:
             return self.custom_get_token_ids(text)  # type: ignore[misc]
-        tokenizer = self._core_ensemble().method.primary.tokenizer
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._core_ensemble().method.primary.text_ids(text)
 
     def get_num_tokens(self, text: str) -> int:
         return len(self.get_token_ids(text))

@@ -231,7 +231,7 @@ class EnsembleLLM(FunctionCallingLLM):
         """``text`` as the primary member's token ids (no special tokens): ``Settings.tokenizer = llm.token_ids``
         makes LlamaIndex count prompts as the member that reads them does (SAFE: the drafter; other methods:
         the first member), instead of with tiktoken's cl100k."""
-        return list(self._ensemble.method.primary.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._ensemble.method.primary.text_ids(text)
 
     def _completion_messages(self, prompt: str, formatted: bool) -> list[dict[str, Any]]:
         """A completion prompt is one user message (see the class docstring)."""
