@@ -137,10 +137,17 @@ def wait_for_abandoned_requests(seconds: float = 60.0) -> None:
 
     from ensemble_core.decoding import runner
 
+    def left() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith(REQUEST_THREADS)]
+
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and (
-            runner._quiet_threads or any(t.name.startswith(REQUEST_THREADS) for t in threading.enumerate())):
+    while (runner._quiet_threads or left()) and time.monotonic() < deadline:
         time.sleep(0.05)
+    if runner._quiet_threads or left():  # a request that never ends: say so rather than wait silently per file
+        import warnings
+
+        warnings.warn(f"request threads still running after {seconds:.0f} s: {left()} "
+                      f"(quiet requests: {runner._quiet_threads})", stacklevel=2)
 
 
 @pytest.fixture(scope="module", autouse=True)
