@@ -18,7 +18,8 @@ from ensemble_core import (
     UnknownAliasError,
 )
 from ensemble_core.errors import ConfigurationError, EnsembleError, InputError, ModelLoadError
-from ensemble_core.models.bundled import convert_gguf
+from ensemble_core.models import bundled
+from ensemble_core.models.bundled import BUNDLED, convert_gguf, converted_dir, remove_mtime_keyed_copies
 from ensemble_core.models.loading import load_objects
 
 
@@ -69,6 +70,47 @@ def test_missing_gguf_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf → ImportError
     with pytest.raises(MissingDependencyError, match="pip install gguf"):
         convert_gguf(fake)
+
+
+def test_conversion_cache_keys_a_reinstalled_file_by_its_content(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """A reinstall (new venv, --force-reinstall, CI clone) gives the bundled GGUF file a new mtime: the
+    cache must find the same conversion (it was keyed by mtime and left 0.5-2.4 GB per reinstall)."""
+    import os
+    import shutil
+
+    monkeypatch.setenv("ENSEMBLE_CACHE_DIR", str(tmp_path / "cache"))
+    original = BUNDLED["smollm2-135m-instruct"].locate()
+    copy = tmp_path / "venv2" / original.name
+    copy.parent.mkdir()
+    shutil.copyfile(original, copy)
+    os.utime(copy, ns=(original.stat().st_mtime_ns + 10**12,) * 2)
+    hashed = []
+    real_sha256 = bundled._sha256
+    monkeypatch.setattr(bundled, "_sha256", lambda *paths: hashed.append(paths) or real_sha256(*paths))
+    assert converted_dir(copy) == converted_dir(original)
+    assert converted_dir(copy) == converted_dir(original) and len(hashed) == 2  # hashed once each, then stamped
+    copy.write_bytes(b"GGUF" + copy.read_bytes()[4:-1] + b"x")  # same size, other content: another key
+    os.utime(copy, ns=(original.stat().st_mtime_ns + 2 * 10**12,) * 2)
+    assert converted_dir(copy) != converted_dir(original) and len(hashed) == 3
+
+
+def test_conversions_keyed_by_mtime_are_removed_once_stale(tmp_path: Path) -> None:
+    import os
+    import time
+
+    converted = tmp_path / "converted"
+    target = converted / "model.Q4-1000-0123456789abcdef"
+    names = ["model.Q4-1000-1796609271", "model.Q4-1000-1796615677", "model.Q4-1000-1796685494",
+             "model.Q4-2000-1796609271", "other-1000-1796609271", "model.Q4-1000-9876543210fedcba"]
+    for name in [target.name, *names]:
+        (converted / name).mkdir(parents=True)
+    hour_ago = time.time() - 7200
+    for name in names[:2] + names[3:]:
+        os.utime(converted / name, (hour_ago, hour_ago))
+    removed = remove_mtime_keyed_copies(target)
+    assert sorted(p.name for p in removed) == names[:2]  # the fresh one may still be in use; others are not copies
+    assert sorted(p.name for p in converted.iterdir()) == sorted([target.name, *names[2:]])
 
 
 def test_prompt_longer_than_context_window(tiny_llama: Member) -> None:

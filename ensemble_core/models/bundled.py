@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Callable
 
@@ -259,14 +260,74 @@ def cache_dir() -> Path:
     return path
 
 
+def _content_hash(path: Path) -> str:
+    """sha256 of ``path``, hashed once per (path, size, mtime) and then read from a stamp in the cache.
+
+    The stamp lives under the cache directory, not next to the file: a bundled GGUF file sits in
+    site-packages, which may be read-only. A multi-gigabyte GGUF file takes seconds to hash, so
+    a load hashes only a file it has not seen in that state.
+    """
+    resolved = path.resolve()
+    st = resolved.stat()
+    key = hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
+    stamp = cache_dir() / "hashes" / f"{resolved.name}-{key}.json"
+    try:
+        known = json.loads(stamp.read_text())
+        if (isinstance(known, dict) and known.get("size") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns
+                and isinstance(known.get("sha256"), str)):
+            return known["sha256"]
+    except (OSError, ValueError):
+        pass
+    digest = _sha256(resolved)
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=stamp.name + ".", dir=stamp.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"path": str(resolved), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}, fh)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, stamp)
+    except OSError:  # a stamp only saves time: never fail a load over it
+        Path(tmp).unlink(missing_ok=True)
+    return digest
+
+
 def _fingerprint(path: Path) -> str:
-    st = path.stat()
-    return f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+    """The conversion cache's key for a GGUF file: its stem, size and the start of its sha256.
+
+    A key of the content, not of the mtime: a reinstalled package (a new virtual environment,
+    ``pip install --force-reinstall``, a CI clone) gives the same file a new mtime, and an
+    mtime key converted it again and left the old copy behind, 0.5 GB (SmolLM2) to 2.4 GB
+    (Qwen) on every reinstall. Two environments with the same file now share one directory.
+    """
+    return f"{path.stem}-{path.stat().st_size}-{_content_hash(path)[:16]}"
 
 
 def converted_dir(gguf_path: Path) -> Path:
     """The safetensors directory that :func:`convert_gguf` writes for ``gguf_path``."""
     return cache_dir() / "converted" / _fingerprint(gguf_path)
+
+
+def remove_mtime_keyed_copies(target: Path, older_than_s: float = 3600.0) -> list[Path]:
+    """Delete conversions that older versions keyed by mtime (``{stem}-{size}-{mtime}``) for ``target``'s file.
+
+    They are the copies the mtime key left behind: same stem and size as ``target``, a last field
+    of digits that is not 16 long (a content key has 16 hex digits; an mtime has 10). Only ones
+    not modified for ``older_than_s`` go, so a conversion an older version is still writing is
+    left alone. Returns what was removed.
+    """
+    stem_size, _, _ = target.name.rpartition("-")
+    removed = []
+    for old in target.parent.glob(glob_escape(stem_size) + "-*"):
+        last = old.name[len(stem_size) + 1:]
+        if old == target or not last.isdigit() or len(last) == 16 or not old.is_dir():
+            continue
+        try:
+            if time.time() - old.stat().st_mtime > older_than_s:
+                shutil.rmtree(old)
+                removed.append(old)
+        except OSError:
+            pass
+    return removed
 
 
 def convert_gguf(gguf_path: Path) -> Path:
@@ -304,4 +365,5 @@ def convert_gguf(gguf_path: Path) -> Path:
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    remove_mtime_keyed_copies(target)
     return target
