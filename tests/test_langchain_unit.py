@@ -609,12 +609,21 @@ def test_model_copy_with_an_update_runs_the_new_values(pair, tiny_gemma) -> None
     assert chat.model_copy()._core_ensemble() is chat._core_ensemble()
 
 
-def test_stream_usage_is_accepted_and_the_last_chunk_carries_the_usage(chat, pair) -> None:
+def test_stream_usage_chooses_whether_the_last_chunk_carries_the_usage(chat, pair) -> None:
+    """ChatOpenAI's option: None / True, the last chunk carries the usage; False leaves it out."""
     streamed = ChatEnsemble(members=pair, method="single", max_tokens=3, stream_usage=True)
-    for chunks in (list(streamed.stream("Hi")), list(chat.stream("Hi", stream_usage=True))):
+    for chunks in (list(streamed.stream("Hi")), list(chat.stream("Hi", stream_usage=True)), list(chat.stream("Hi"))):
         assert [c for c in chunks if c.usage_metadata] == [chunks[-1]]
     assert chat.invoke("Hi", stream_usage=True).usage_metadata["output_tokens"] > 0
+    quiet = ChatEnsemble(members=pair, method="single", max_tokens=3, stream_usage=False)
+    for chunks in (list(quiet.stream("Hi")), list(chat.stream("Hi", stream_usage=False))):
+        assert not any(c.usage_metadata for c in chunks) and chunks[-1].response_metadata["finish_reason"]
+    assert quiet.invoke("Hi").usage_metadata["output_tokens"] > 0  # a whole answer is no stream
+    assert list(quiet.stream("Hi", stream_usage=True))[-1].usage_metadata["output_tokens"] > 0  # the call's value wins
+    llm = EnsembleLLM(members=pair, method="single", max_tokens=3)
+    assert "usage_metadata" in list(llm._stream("Hi"))[-1].generation_info
+    assert "usage_metadata" not in list(llm._stream("Hi", stream_usage=False))[-1].generation_info
+    with pytest.raises(ConfigurationError, match="stream_usage"):
+        ChatEnsemble(members=pair, method="single", stream_usage="sometimes")
     with pytest.raises(InvalidOptionError, match="stream_usage"):
-        ChatEnsemble(members=pair, method="single", stream_usage=False)
-    with pytest.raises(InvalidOptionError, match="stream_usage"):
-        list(chat.stream("Hi", stream_usage=False))
+        list(chat.stream("Hi", stream_usage=0))

@@ -30,7 +30,7 @@ unknown keyword args      names that are not config fields raise ConfigurationEr
                           deterministic failure would only waste time
 ``streaming``             ``invoke`` goes through ``_stream`` (callbacks per chunk)
 ``stream_usage``          ``True`` / ``None`` (field or per call): a stream's last chunk carries the
-                          usage, which it always does; ``False`` (dropping it) raises
+                          usage; ``False`` leaves it out (as ``ChatOpenAI`` does)
 ``api_key``               accepted for drop-in compatibility with hosted chat models; local
                           members need no key and it is never read
 ========================  ==========================================================
@@ -86,11 +86,16 @@ def split_model(model: str) -> list[str]:
     return parts
 
 
-def check_stream_usage(value: Any) -> None:
-    """``stream_usage`` (ChatOpenAI's field and call keyword): ``True`` / ``None``, what a stream always does here."""
-    if value is not None and value is not True:
-        raise InvalidOptionError("stream_usage", value, "True or None: the last chunk of a stream always carries "
-                                 "usage_metadata (leaving it out is not supported)")
+def check_stream_usage(value: Any) -> bool:
+    """``stream_usage`` (ChatOpenAI's field and call keyword) → whether a stream's last chunk carries the usage.
+
+    ``None`` (the default) and ``True`` include it: counting costs nothing here, unlike a hosted API's
+    opt-in usage chunk. ``False`` leaves it out, as ``ChatOpenAI`` does.
+    """
+    if value is not None and not isinstance(value, bool):
+        raise InvalidOptionError("stream_usage", value, "True, False or None (None: the last chunk of a stream "
+                                 "carries usage_metadata)")
+    return value is not False
 
 
 def stale_fields(changed: set[str], current: Mapping[str, Any]) -> set[str]:
@@ -170,8 +175,8 @@ class EnsembleFields(BaseModel):
     max_retries: int | None = None
     streaming: bool = False
     stream_usage: bool | None = None
-    """``True`` or ``None``: a stream's last chunk carries ``usage_metadata``, as it always does here
-    (ChatOpenAI's option; ``False`` raises: the usage cannot be left out)."""
+    """``True`` or ``None``: a stream's last chunk carries ``usage_metadata``; ``False`` leaves it out
+    (ChatOpenAI's option)."""
     api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
 
     _core: Ensemble | None = PrivateAttr(default=None)
@@ -280,6 +285,10 @@ class EnsembleFields(BaseModel):
             call["stop"] = stop
         ensemble = ensemble or self._core_ensemble()
         return call_overrides(merge_options(instance, call), ensemble.config, type(self).__name__)
+
+    def _stream_usage(self, kwargs: Mapping[str, Any]) -> bool:
+        """Whether this call's stream ends with the usage (``stream_usage``: the call's value, else the field's)."""
+        return check_stream_usage(kwargs.get("stream_usage", self.stream_usage))
 
     def _prepare(self, prompt: Prompt, stop: list[str] | None, kwargs: Mapping[str, Any]) -> tuple[Run, Ensemble, str]:
         """One core run for a call: ensemble, overrides, timeout. Unknown kwargs raise."""

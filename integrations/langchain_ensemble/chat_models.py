@@ -337,20 +337,21 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
                          response_metadata=cls._metadata(result, ensemble, model_name))
 
     @classmethod
-    def _chunk(cls, reply: ReplyChunk, ensemble: Ensemble, model_name: str) -> ChatGenerationChunk:
+    def _chunk(cls, reply: ReplyChunk, ensemble: Ensemble, model_name: str, usage: bool = True) -> ChatGenerationChunk:
         """A stream chunk for one piece of the core's reply: text, tool-call pieces (the last one closes
         the message)."""
         if reply.result is None:
             return ChatGenerationChunk(message=AIMessageChunk(content=reply.delta,
                                                               tool_call_chunks=lc_call_deltas(reply.calls)))
-        return cls._last_chunk(reply.result, ensemble, model_name, reply.delta, reply.calls)
+        return cls._last_chunk(reply.result, ensemble, model_name, reply.delta, reply.calls, usage)
 
     @classmethod
     def _last_chunk(cls, result: GenerationResult, ensemble: Ensemble, model_name: str, rest: str = "",
-                    calls: Sequence[Any] = ()) -> ChatGenerationChunk:
-        """The closing chunk: the held-back text and the closing call pieces, all the usage and metadata (counted once)."""
+                    calls: Sequence[Any] = (), usage: bool = True) -> ChatGenerationChunk:
+        """The closing chunk: the held-back text and the closing call pieces, the metadata and (unless
+        ``stream_usage=False``) the usage, counted once."""
         return ChatGenerationChunk(message=AIMessageChunk(
-            content=rest, tool_call_chunks=lc_call_deltas(calls), usage_metadata=usage_metadata(result),
+            content=rest, tool_call_chunks=lc_call_deltas(calls), usage_metadata=usage_metadata(result) if usage else None,
             response_metadata=cls._metadata(result, ensemble, model_name), chunk_position="last"))
 
     # ------------------------------------------------------------------ sync
@@ -374,8 +375,9 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
         chunk), so each chunk is reported once.
         """
         run, ensemble, model_name = self._prepare(to_core_messages(messages), stop, kwargs)
+        usage = self._stream_usage(kwargs)
         for reply in run.replies():  # leaving early cancels the core stream
-            chunk = self._chunk(reply, ensemble, model_name)
+            chunk = self._chunk(reply, ensemble, model_name, usage)
             if run_manager:
                 run_manager.on_llm_new_token(str(chunk.message.content), chunk=chunk)
             yield chunk
@@ -395,8 +397,9 @@ class ChatEnsemble(EnsembleFields, BaseChatModel):
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         """Like :meth:`_stream`, with the model running in a worker thread (the loop stays free)."""
         run, ensemble, model_name = self._prepare(to_core_messages(messages), stop, kwargs)
+        usage = self._stream_usage(kwargs)
         async for reply in run.areplies():
-            chunk = self._chunk(reply, ensemble, model_name)
+            chunk = self._chunk(reply, ensemble, model_name, usage)
             if run_manager:
                 await run_manager.on_llm_new_token(str(chunk.message.content), chunk=chunk)
             yield chunk

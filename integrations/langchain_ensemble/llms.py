@@ -24,8 +24,9 @@ from ensemble_core.serving.runtime import Run
 from .base import EnsembleFields, response_metadata, usage_metadata
 
 
-def _generation_info(result: GenerationResult, ensemble: Ensemble, model_name: str) -> dict[str, Any]:
-    return {**response_metadata(result, ensemble, model_name), "usage_metadata": usage_metadata(result)}
+def _generation_info(result: GenerationResult, ensemble: Ensemble, model_name: str, usage: bool = True) -> dict[str, Any]:
+    info = response_metadata(result, ensemble, model_name)
+    return {**info, "usage_metadata": usage_metadata(result)} if usage else info
 
 
 def _llm_output(results: list[GenerationResult], model_name: str) -> dict[str, Any]:
@@ -69,8 +70,8 @@ class EnsembleLLM(EnsembleFields, BaseLLM):
     # ------------------------------------------------------------------ sync
     @staticmethod
     def _chunks(run: Run, ensemble: Ensemble, model_name: str,
-                run_manager: CallbackManagerForLLMRun | None) -> Iterator[GenerationChunk]:
-        """One chunk per committed delta, then a closing chunk with usage and metadata."""
+                run_manager: CallbackManagerForLLMRun | None, usage: bool = True) -> Iterator[GenerationChunk]:
+        """One chunk per committed delta, then a closing chunk with the metadata and (unless ``stream_usage=False``) usage."""
         with closing(iter(run)) as deltas:  # leaving early cancels the core stream
             for delta in deltas:
                 chunk = GenerationChunk(text=delta)
@@ -78,7 +79,7 @@ class EnsembleLLM(EnsembleFields, BaseLLM):
                     run_manager.on_llm_new_token(delta, chunk=chunk)
                 yield chunk
         assert run.result is not None
-        last = GenerationChunk(text="", generation_info=_generation_info(run.result, ensemble, model_name))
+        last = GenerationChunk(text="", generation_info=_generation_info(run.result, ensemble, model_name, usage))
         if run_manager:
             run_manager.on_llm_new_token("", chunk=last)
         yield last
@@ -86,7 +87,7 @@ class EnsembleLLM(EnsembleFields, BaseLLM):
     def _stream(self, prompt: str, stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
         run, ensemble, model_name = self._prepare(prompt, stop, kwargs)
-        yield from self._chunks(run, ensemble, model_name, run_manager)
+        yield from self._chunks(run, ensemble, model_name, run_manager, self._stream_usage(kwargs))
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
@@ -108,7 +109,7 @@ class EnsembleLLM(EnsembleFields, BaseLLM):
     # ------------------------------------------------------------------ async
     @staticmethod
     async def _achunks(run: Run, ensemble: Ensemble, model_name: str,
-                       run_manager: AsyncCallbackManagerForLLMRun | None) -> AsyncIterator[GenerationChunk]:
+                       run_manager: AsyncCallbackManagerForLLMRun | None, usage: bool = True) -> AsyncIterator[GenerationChunk]:
         async with aclosing(run.astream()) as deltas:  # generation runs in a worker thread
             async for delta in deltas:
                 chunk = GenerationChunk(text=delta)
@@ -116,7 +117,7 @@ class EnsembleLLM(EnsembleFields, BaseLLM):
                     await run_manager.on_llm_new_token(delta, chunk=chunk)
                 yield chunk
         assert run.result is not None
-        last = GenerationChunk(text="", generation_info=_generation_info(run.result, ensemble, model_name))
+        last = GenerationChunk(text="", generation_info=_generation_info(run.result, ensemble, model_name, usage))
         if run_manager:
             await run_manager.on_llm_new_token("", chunk=last)
         yield last
@@ -125,7 +126,7 @@ class EnsembleLLM(EnsembleFields, BaseLLM):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[GenerationChunk]:
         run, ensemble, model_name = self._prepare(prompt, stop, kwargs)
-        async with aclosing(self._achunks(run, ensemble, model_name, run_manager)) as chunks:
+        async with aclosing(self._achunks(run, ensemble, model_name, run_manager, self._stream_usage(kwargs))) as chunks:
             async for chunk in chunks:
                 yield chunk
 
