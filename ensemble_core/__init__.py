@@ -34,6 +34,7 @@ from ensemble_core.errors import (
     MissingDependencyError,
     ModelLoadError,
     NoMembersError,
+    NotPicklableError,
     PromptTooLongError,
     StateLostError,
     UnknownAliasError,
@@ -66,7 +67,7 @@ __all__ = [
     # errors (ensemble_core.errors)
     "ApiError", "ClientDisconnected", "ConfigurationError", "ConstraintError", "EnsembleError", "GenerationCancelled",
     "GenerationTimeout", "InputError", "InvalidOptionError", "InvalidSchemaError", "MemberUnavailableError",
-    "MissingDependencyError", "ModelLoadError", "NoMembersError", "PromptTooLongError", "StateLostError",
+    "MissingDependencyError", "ModelLoadError", "NoMembersError", "NotPicklableError", "PromptTooLongError", "StateLostError",
     "UnknownAliasError", "UnknownOptionError", "UnknownToolError", "UnsupportedAttentionError", "UnsupportedContentError",
     "UnsupportedModelError", "UnsupportedParameterError", "UnsupportedSchemaFeatureError", "UnsupportedTokenizerError",
     # text

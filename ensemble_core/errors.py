@@ -12,7 +12,8 @@ or one of the families (configuration, model loading, input, cancellation)::
     │   ├── NoMembersError
     │   ├── UnsupportedAttentionError
     │   ├── UnsupportedModelError
-    │   └── UnsupportedTokenizerError
+    │   ├── UnsupportedTokenizerError
+    │   └── NotPicklableError (TypeError)
     ├── ModelLoadError (RuntimeError)
     │   ├── UnknownAliasError (KeyError)
     │   └── MissingDependencyError (ImportError)
@@ -98,6 +99,23 @@ class NoMembersError(ConfigurationError):
             "aliases (e.g. 'smollm2-135m-instruct', 'gemma3-270m'), Hugging Face ids, local "
             "directories, GGUF files or (model, tokenizer) pairs."
         )
+
+
+class NotPicklableError(ConfigurationError, TypeError):
+    """A framework model object (``ChatEnsemble``, LlamaIndex's ``EnsembleLLM``) holds loaded models.
+
+    ``Member`` objects, ``(model, tokenizer)`` pairs and an ``Ensemble`` carry weights and running
+    threads: a pickle would have to copy both. Members given by name pickle (the unpickled object
+    loads them, once per process); ``copy.deepcopy`` shares the loaded models instead of copying them.
+    """
+
+    def __init__(self, owner: str, loaded: Iterable[str]) -> None:
+        self.owner, self.loaded = owner, list(loaded)
+        super().__init__(
+            f"Cannot pickle this {owner}: it holds loaded models ({', '.join(self.loaded)}), and a pickle would have "
+            "to copy their weights and running threads. Give the members by name (aliases, local paths, Hugging Face "
+            "ids or MemberSpec): those pickle, and the unpickled object loads them once per process. Within one "
+            "process, share the object or copy it with copy.deepcopy (which shares the loaded models).")
 
 
 class ModelLoadError(EnsembleError, RuntimeError):

@@ -44,7 +44,7 @@ def test_errors_pickle_with_message_and_fields() -> None:
             errors.MissingDependencyError("ray", "remote members"), errors.UnsupportedAttentionError("m", "flash"),
             errors.PromptTooLongError("m", 900, 200, 1024), errors.GenerationTimeout(2.5, "partial"),
             errors.InvalidSchemaError("no type", "add one"), errors.UnknownToolError("add", ["multiply"]),
-            errors.ModelLoadError("plain message")]
+            errors.ModelLoadError("plain message"), errors.NotPicklableError("ChatEnsemble", ["Member 'a'"])]
     for error in made:
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is type(error) and str(back) == str(error) and back.__dict__ == error.__dict__

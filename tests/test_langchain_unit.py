@@ -609,6 +609,29 @@ def test_model_copy_with_an_update_runs_the_new_values(pair, tiny_gemma) -> None
     assert chat.model_copy()._core_ensemble() is chat._core_ensemble()
 
 
+def test_deepcopy_shares_the_models_and_pickle_rebuilds_from_names(chat, pair, tmp_path) -> None:
+    """copy.deepcopy (pydantic's model_copy(deep=True), frameworks copying a model) raised on the ensemble's
+    locks; a pickle holds the names the members were given by and is rebuilt by the constructor."""
+    import copy
+    import pickle
+
+    from ensemble_core import NotPicklableError
+
+    stopped = ChatEnsemble(members=pair, method="single", max_tokens=6, stop=["zz"])
+    for copied in (copy.deepcopy(stopped), stopped.model_copy(deep=True)):
+        assert copied._core_ensemble() is stopped._core_ensemble() and copied.members[0] is pair[0]
+        assert copied.stop == ["zz"] and copied.stop is not stopped.stop
+        assert copied.invoke("Hi").content == stopped.invoke("Hi").content
+    with pytest.raises(NotPicklableError, match="tiny-gemma3-270m-0.*by name"):
+        pickle.dumps(chat)
+    pair[1].model.save_pretrained(tmp_path / "llama")
+    pair[1].tokenizer.save_pretrained(tmp_path / "llama")
+    named = ChatEnsemble(members=[str(tmp_path / "llama")], method="single", max_tokens=4, temperature=0.0)
+    back = pickle.loads(pickle.dumps(named))
+    assert back._core_ensemble() is named._core_ensemble()  # rebuilt in this process: the shared ensemble
+    assert back.max_tokens == 4 and back.invoke("Hi").content == named.invoke("Hi").content
+
+
 def test_stream_usage_chooses_whether_the_last_chunk_carries_the_usage(chat, pair) -> None:
     """ChatOpenAI's option: None / True, the last chunk carries the usage; False leaves it out."""
     streamed = ChatEnsemble(members=pair, method="single", max_tokens=3, stream_usage=True)

@@ -324,6 +324,23 @@ def reference(llm: EnsembleLLM):
     return llm.complete(PROMPT)
 
 
+def test_pickle_rebuilds_from_the_names_and_deepcopy_shares_the_models(llm: EnsembleLLM, tiny_llm: EnsembleLLM) -> None:
+    """LlamaIndex's own pickling dropped loaded members with a warning (the copy ran the default pair);
+    deepcopy raised on the ensemble's locks."""
+    import copy
+    import pickle
+
+    from ensemble_core import NotPicklableError
+
+    back = pickle.loads(pickle.dumps(llm))
+    assert back.ensemble is llm.ensemble and back.members == PAIR and back.max_new_tokens == MAX_NEW
+    with pytest.raises(NotPicklableError, match="tiny-"):
+        pickle.dumps(tiny_llm)
+    copied = copy.deepcopy(tiny_llm)
+    assert copied.ensemble is tiny_llm.ensemble and copied.members[0] is tiny_llm.members[0]
+    assert copied.complete("Hi").text == tiny_llm.complete("Hi").text
+
+
 @pytest.mark.real
 def test_real_metadata_and_shared_weights(llm: EnsembleLLM, real_pair: list[Member]) -> None:
     meta = llm.metadata

@@ -50,6 +50,7 @@ from ensemble_core.errors import (
     GenerationCancelled,
     GenerationTimeout,
     InvalidOptionError,
+    NotPicklableError,
     UnknownOptionError,
 )
 from ensemble_core.methods import config_fields as config_fields_of
@@ -251,6 +252,48 @@ def shared_ensemble(members: Sequence[Any] | None, method: str, method_config: M
         else:
             _ENSEMBLES.move_to_end(key)
         return ensemble
+
+
+def loaded_objects(members: Sequence[Any] | None, ensemble: Any = None) -> list[tuple[str, tuple[Any, ...]]]:
+    """The loaded models an adapter's model object holds: (a description, the objects) for each.
+
+    ``Member`` objects, ``(model, tokenizer)`` pairs and an ``ensemble=``: weights and running
+    threads. A copy of the model object shares them (:func:`deepcopy_memo`); a pickle refuses them
+    (:func:`check_picklable`). Names, paths and ``MemberSpec`` are descriptions, not models.
+    """
+    found: list[tuple[str, tuple[Any, ...]]] = []
+    for item in members or ():
+        if isinstance(item, Member):
+            found.append((f"Member {item.name!r}", (item,)))
+        elif isinstance(item, tuple):
+            found.append((f"a ({type(item[0]).__name__}, tokenizer) pair", tuple(item)))
+    if ensemble is not None:
+        found.append(("ensemble=", (ensemble,)))
+    return found
+
+
+def deepcopy_memo(members: Sequence[Any] | None, *shared: Any, ensemble: Any = None) -> dict[int, Any]:
+    """A ``copy.deepcopy`` memo under which the loaded models (and ``shared``) are kept, not copied.
+
+    Why: a deep copy of a framework model object (pydantic's ``model_copy(deep=True)``, a framework
+    copying a model it is given) must not duplicate gigabytes of weights, and cannot copy the locks and
+    threads of a running ensemble; LangChain's hosted models share their HTTP clients the same way.
+    """
+    kept = [obj for _, objs in loaded_objects(members, ensemble) for obj in objs]
+    kept += [obj for obj in shared if obj is not None]
+    return {id(obj): obj for obj in kept}
+
+
+def rebuild(cls: type, values: Mapping[str, Any]) -> Any:
+    """Unpickle an adapter's model object: ``cls(**values)``, its constructor (members load there, once per process)."""
+    return cls(**values)
+
+
+def check_picklable(owner: str, members: Sequence[Any] | None, ensemble: Any = None) -> None:
+    """Raise :class:`~ensemble_core.errors.NotPicklableError` when ``owner``'s members are loaded objects."""
+    loaded = loaded_objects(members, ensemble)
+    if loaded:
+        raise NotPicklableError(owner, [what for what, _ in loaded])
 
 
 def clear_shared() -> None:

@@ -59,8 +59,11 @@ from ensemble_core.options import check_int, check_number
 from ensemble_core.serving.runtime import (
     Run,
     call_overrides,
+    check_picklable,
     collect_method_options,
+    deepcopy_memo,
     merge_options,
+    rebuild,
     result_info,
     shared_ensemble,
 )
@@ -212,6 +215,19 @@ class EnsembleFields(BaseModel):
         stale = stale_fields(set(update), copied.__dict__)
         values = {k: v for k, v in copied.__dict__.items() if k in type(self).model_fields and k not in stale}
         return type(self)(**{**values, **update})
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Any:
+        """A deep copy that shares the loaded models and the running ensemble (copying them would double
+        the weights; their threads and locks cannot be copied): :func:`deepcopy_memo`."""
+        memo = {} if memo is None else memo
+        memo.update(deepcopy_memo(self.members, self._core, ensemble=self.ensemble))
+        return super().__deepcopy__(memo)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the values it was built with and rebuilt by its constructor on load, where members
+        given by name load once per process; loaded ones raise :class:`~ensemble_core.NotPicklableError`."""
+        check_picklable(type(self).__name__, self.members, self.ensemble)
+        return rebuild, (type(self), {name: getattr(self, name) for name in self.model_fields_set})
 
     # ------------------------------------------------------------------ construction
     def _bind_ensemble(self) -> None:

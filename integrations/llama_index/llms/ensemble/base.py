@@ -58,8 +58,11 @@ from ensemble_core.serving.runtime import (
     Run,
     asettle,
     call_overrides,
+    check_picklable,
     collect_method_options,
+    deepcopy_memo,
     merge_options,
+    rebuild,
     settle,
     shared_ensemble,
 )
@@ -174,6 +177,20 @@ class EnsembleLLM(FunctionCallingLLM):
     @field_serializer("members")
     def _serialize_members(self, members: List[Any]) -> List[str]:
         return [m.name if isinstance(m, Member) else str(m) for m in members]
+
+    def __deepcopy__(self, memo: Dict[int, Any] | None = None) -> Any:
+        """A deep copy that shares the loaded models and the running ensemble (copying them would double
+        the weights; their threads and locks cannot be copied): :func:`deepcopy_memo`."""
+        memo = {} if memo is None else memo
+        memo.update(deepcopy_memo(self.members, self._ensemble))
+        return super().__deepcopy__(memo)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the values it was built with and rebuilt by its constructor on load, where members
+        given by name load once per process; loaded ones raise :class:`~ensemble_core.NotPicklableError`
+        (LlamaIndex's own pickling dropped them with a warning, and the copy ran the default members)."""
+        check_picklable(type(self).__name__, self.members)
+        return rebuild, (type(self), {name: getattr(self, name) for name in self.model_fields_set})
 
     # ------------------------------------------------------------------ properties
     @property
