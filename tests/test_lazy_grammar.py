@@ -831,6 +831,47 @@ def test_server_streams_tool_call_deltas_while_decoding() -> None:
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+TWO_CALLS = CALL + '\n{"name": "capital", "arguments": {"country": "Peru"}}'
+
+
+def test_parallel_tool_calls_false_ends_the_reply_after_its_first_call() -> None:
+    """OpenAI's ``parallel_tool_calls=False`` (LangChain's ``bind_tools(..., parallel_tool_calls=False)``, the
+    server's field, LlamaIndex's ``allow_parallel_tool_calls``): at most one call. It raised in LangChain
+    (an unknown option) and the server ignored it."""
+    from fastapi.testclient import TestClient
+
+    from ensemble_core.server import create_app
+
+    p = TokenPipeline(GenerationConfig(), calls=LazyCalls((MULTIPLY, CAPITAL), single=True).start(member(SMOL), budget=64))
+    p.commit(CALL)
+    assert p.calls.ended and allowed(p).nonzero().flatten().tolist() == sorted(member(SMOL).eos_token_ids)
+    ensemble = Ensemble([scripted_member(SMOL, TWO_CALLS, "two-calls")], method="single", max_new_tokens=64)
+    assert [c.name for c in ensemble.generate("6 times 7?", tools=TOOLS).tool_calls] == ["multiply", "capital"]
+    one = ensemble.generate("6 times 7?", tools=TOOLS, parallel_tool_calls=False)
+    assert [c.name for c in one.tool_calls] == ["multiply"] and one.text == CALL and one.finish_reason != "length"
+    free = ensemble.generate("6 times 7?", tools=TOOLS, parallel_tool_calls=False, lazy_tool_grammar=False)
+    assert free.text == TWO_CALLS and [c.name for c in free.tool_calls] == ["multiply"]  # read: the first call
+    with pytest.raises(InvalidOptionError, match="parallel_tool_calls"):
+        ensemble.generate("6 times 7?", tools=TOOLS, parallel_tool_calls="no")
+    chat = ChatEnsemble(ensemble=ensemble)
+    assert len(chat.bind_tools(TOOLS).invoke("6 times 7?").tool_calls) == 2
+    assert [c["name"] for c in chat.bind_tools(TOOLS, parallel_tool_calls=False).invoke("6 times 7?").tool_calls] == [
+        "multiply"]
+    llm = EnsembleLLM(members=ensemble.members, method="single", max_new_tokens=64)
+    tools = [FunctionTool.from_defaults(fn=lambda a, b: a * b, name="multiply", description="Multiply."),
+             FunctionTool.from_defaults(fn=lambda country: "", name="capital", description="A capital.")]
+    for allow, names in ((True, ["multiply", "capital"]), (False, ["multiply"])):
+        reply = llm.chat_with_tools(tools, "6 times 7?", allow_parallel_tool_calls=allow)
+        assert [c.tool_name for c in llm.get_tool_calls_from_response(reply)] == names
+    with TestClient(create_app(ensemble=ensemble)) as tc:
+        body = {"messages": [{"role": "user", "content": "6 times 7?"}], "tools": TOOLS}
+        for parallel, n in ((None, 2), (True, 2), (False, 1)):
+            sent = body if parallel is None else {**body, "parallel_tool_calls": parallel}
+            assert len(tc.post("/v1/chat/completions", json=sent).json()["choices"][0]["message"]["tool_calls"]) == n
+        bad = tc.post("/v1/chat/completions", json={**body, "ensemble": {"parallel_tool_calls": False}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "ensemble.parallel_tool_calls"
+
+
 # ----------------------------------------------------------------------------- LlamaIndex contract
 def test_llamaindex_never_passes_an_invalid_call_off_as_an_answer() -> None:
     llm = EnsembleLLM(members=[scripted_member(SMOL, "hi", "li-contract")], method="single", max_new_tokens=8)

@@ -250,13 +250,15 @@ class LazyCalls:
     ``tools``: the bare function specs; ``forbid``: ``tool_choice="none"`` (triggers masked,
     no grammar); ``excluded``: ``(name, canonical arguments)`` calls that may not be made again;
     ``answer``: the grammar of the request's ``response_format`` (None: free text), under which a
-    reply is calls or that value, never prose (see the module docstring, "A value or calls").
+    reply is calls or that value, never prose (see the module docstring, "A value or calls");
+    ``single``: at most one call (``parallel_tool_calls=False``): the reply ends after it.
     """
 
     tools: tuple[dict[str, Any], ...]
     forbid: bool = False
     excluded: tuple[tuple[str, str], ...] = ()
     answer: JsonConstraint | None = None
+    single: bool = False
 
     def constraint(self, fmt: CallFormat) -> Any:
         """The (cached) grammar of one call in format ``fmt``."""
@@ -310,7 +312,8 @@ def lazy_calls(request: Any, messages: Sequence[Mapping[str, Any]], exclude_repe
     if not enabled:
         return None
     answer = None if request.schema is None else JsonConstraint(request.schema or None)
-    return LazyCalls(tuple(request.tools), excluded=answered_calls(messages) if exclude_repeated else (), answer=answer)
+    return LazyCalls(tuple(request.tools), excluded=answered_calls(messages) if exclude_repeated else (), answer=answer,
+                     single=not request.parallel)
 
 
 # ----------------------------------------------------------------------------- member level
@@ -506,7 +509,8 @@ class LazyState:
         return out
 
     def _only_the_end(self, logits: torch.Tensor) -> torch.Tensor:
-        """After a repeated call: the member's end-of-reply tokens only."""
+        """After a repeated call (or any call, with ``parallel_tool_calls=False``): the member's end-of-reply
+        tokens only."""
         eos = [i for i in self.member.eos_token_ids if i < logits.shape[-1]]
         out = torch.full_like(logits, float("-inf"))
         out[..., eos] = logits[..., eos]
@@ -648,6 +652,8 @@ class LazyState:
                 self.repeats += 1
                 self.ended = True
             self.done.append(call)
+        if self.calls.single:  # parallel_tool_calls=False: one call, then the end of the reply
+            self.ended = True
         self.completed += 1
         self.scan = self.start + len(state.text)
         self.active, self.fmt = None, None

@@ -92,12 +92,14 @@ class StructuredRequest:
 
     ``tools`` are the bare function specs (``{"name", "description", "parameters"}``);
     ``choice`` is ``"auto"``, ``"none"``, ``"required"`` or a tool name; ``schema`` is the
-    requested JSON Schema (``{}`` for any JSON object) or None.
+    requested JSON Schema (``{}`` for any JSON object) or None; ``parallel``: whether a reply
+    may hold several calls (OpenAI's ``parallel_tool_calls``; False: at most one).
     """
 
     tools: tuple[dict[str, Any], ...] = ()
     choice: str = "auto"
     schema: dict[str, Any] | None = None
+    parallel: bool = True
 
     @property
     def forced_call(self) -> bool:
@@ -230,7 +232,8 @@ def schema_of(response_format: Any) -> dict[str, Any] | None:
                              "a JSON Schema dict or {'type': 'json_schema' | 'json_object' | 'text', ...}")
 
 
-def structured_request(tools: Any = None, tool_choice: Any = None, response_format: Any = None) -> StructuredRequest:
+def structured_request(tools: Any = None, tool_choice: Any = None, response_format: Any = None,
+                       parallel_tool_calls: Any = True) -> StructuredRequest:
     """Validate a request's ``tools`` / ``tool_choice`` / ``response_format`` (typed errors name the problem).
 
     The tools' parameters and the response format's schema are compiled into their
@@ -260,7 +263,10 @@ def structured_request(tools: Any = None, tool_choice: Any = None, response_form
         schema = schema_of(response_format)
         if schema is not None:
             schema_validator(schema or _ANY_OBJECT, "response_format")
-    return StructuredRequest(specs, choice, schema)
+    if not isinstance(parallel_tool_calls, bool):
+        raise InvalidOptionError("parallel_tool_calls", parallel_tool_calls, "True (a reply may hold several calls) or "
+                                 "False (at most one)")
+    return StructuredRequest(specs, choice, schema, parallel_tool_calls)
 
 
 @contextmanager
@@ -370,8 +376,10 @@ def parse_output(text: str, request: StructuredRequest, parser: ToolCallParser |
     if request.tools and request.choice != "none":
         found = (parser or _DEFAULT_PARSER).parse(text, ToolSet(request.tools))
         if found is not None and found.found:
-            return StructuredOutput(found.content, list(found.calls),
-                                    invalid_tool_calls=[c.as_dict() for c in found.invalid])
+            calls, invalid = list(found.calls), [c.as_dict() for c in found.invalid]
+            if not request.parallel:  # at most one call (the lazy grammar ends the reply after it; free text may not)
+                calls, invalid = calls[:1], invalid[:1] if not calls else []
+            return StructuredOutput(found.content, calls, invalid_tool_calls=invalid)
     if request.schema is not None:
         return read_value(text, request.schema, finish_reason)
     return StructuredOutput(text)

@@ -85,6 +85,10 @@ class GenerationConfig:
     #: ``"required"``: a reply of such calls only is asked again among the other tools
     #: (:func:`ensemble_core.serving.runtime.settle_calls`).
     exclude_repeated_calls: bool = True
+    #: OpenAI's ``parallel_tool_calls``: whether a reply may hold several tool calls. False: at most one;
+    #: with ``tool_choice="auto"`` the reply ends once its first call is complete (the lazy grammar allows
+    #: only the end there), and a reply read without the grammar keeps its first call.
+    parallel_tool_calls: bool = True
     #: The papers' exact settings for every option left at its default (uniform votes, UniTE's
     #: published scoring, one token per drafter pass, drafts of ``lookahead`` tokens), where the
     #: defaults are otherwise the measured-best (per device: :func:`~ensemble_core.options.device_default`;
@@ -108,7 +112,7 @@ class GenerationConfig:
         check_number("top_p", self.top_p, 0, 1, above=True)
         check_int("seed", self.seed, -2**63, 2**64 - 1, optional=True,  # what torch's generators take
                   expected="None or an integer that fits in 64 bits (-2**63 to 2**64 - 1)")
-        request = structured_request(self.tools, self.tool_choice, self.response_format)
+        request = structured_request(self.tools, self.tool_choice, self.response_format, self.parallel_tool_calls)
         if self.tools is not None:
             object.__setattr__(self, "tools", tuple(self.tools))
         object.__setattr__(self, "_structured", request)

@@ -84,7 +84,7 @@ log = logging.getLogger("ensemble_core.server")
 
 #: Standard options that have their own top-level field: not accepted inside the ``ensemble`` extension.
 TOP_LEVEL_OPTIONS = frozenset({"temperature", "max_tokens", "max_new_tokens", "top_p", "seed", "stop", "do_sample",
-                               "tools", "tool_choice", "response_format"})
+                               "tools", "tool_choice", "response_format", "parallel_tool_calls"})
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: openai-python retries 408/409/429/5xx unless told not to: a deterministic failure would only repeat.
 NO_RETRY = {"x-should-retry": "false"}
@@ -198,7 +198,8 @@ def options(request: SamplingFields, engine: Engine, max_tokens: int | None) -> 
                             f"Accepted: {', '.join(sorted(engine.fields - TOP_LEVEL_OPTIONS))}.",
                        param=f"ensemble.{unknown[0]}", code="unknown_parameter")
     standard = {"temperature": request.temperature, "max_tokens": max_tokens, "top_p": request.top_p,
-                "seed": request.seed, "stop": request.stop}
+                "seed": request.seed, "stop": request.stop,
+                "parallel_tool_calls": getattr(request, "parallel_tool_calls", None)}  # a chat field
     return call_overrides({**standard, **extension}, engine.ensemble.config, "the server")
 
 

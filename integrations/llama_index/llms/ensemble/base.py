@@ -328,7 +328,8 @@ class EnsembleLLM(FunctionCallingLLM):
         wins; otherwise ``tool_required=True`` forces a call of one of the tools and False
         lets the ensemble decide. An unknown tool name, or parameters the grammar engine
         cannot compile, raise here (typed: ``UnknownToolError``, ``InvalidSchemaError``).
-        ``allow_parallel_tool_calls=False`` keeps the first call of a reply. Objects in the
+        ``allow_parallel_tool_calls=False`` (LlamaIndex's default here; ``FunctionAgent`` passes True) is the
+        core's ``parallel_tool_calls=False``: the reply ends after its first call. Objects in the
         parameters are closed (``additionalProperties: false`` where the schema does not say)
         unless ``strict=False``.
         """
@@ -345,11 +346,13 @@ class EnsembleLLM(FunctionCallingLLM):
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(user_msg)
-        return {"messages": messages, "tools": specs or None, "tool_choice": tool_choice if specs else None, **kwargs}
+        return {"messages": messages, "tools": specs or None, "tool_choice": tool_choice if specs else None,
+                "parallel_tool_calls": None if allow_parallel_tool_calls or not specs else False, **kwargs}
 
     def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[BaseTool],
                                            allow_parallel_tool_calls: bool = False, **kwargs: Any) -> ChatResponse:
-        """Without parallel calls, only the first call of the reply is kept (as LlamaIndex's OpenAI LLM does)."""
+        """Without parallel calls, only the first call of the reply is kept (as LlamaIndex's OpenAI LLM does; the
+        core already ended the reply there, this covers a reply decoded without the lazy grammar)."""
         if not allow_parallel_tool_calls:
             calls = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
             if len(calls) > 1:
