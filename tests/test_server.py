@@ -330,6 +330,15 @@ def test_bad_requests_get_openai_errors(server: ServerProcess, body: Any, status
     assert_error(post(server, "/chat/completions", body), status, code, param)
 
 
+def test_an_option_refused_as_its_run_starts_counts_as_rejected(server: ServerProcess) -> None:
+    """A 400 is the client's mistake: /health counted an option the run checks as it starts (``drafter=7``) as
+    ``failed``, the counter for the server's own failures."""
+    before = server.health()["requests"]
+    assert_error(post(server, "/chat/completions", chat(ensemble={"drafter": 7})), 400)
+    after = server.health()["requests"]
+    assert (after["rejected"], after["failed"]) == (before["rejected"] + 1, before["failed"])
+
+
 def test_errors_raise_the_openai_exception_classes(server: ServerProcess, client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="gpt-4o", messages=HELLO)
@@ -541,6 +550,54 @@ def test_calls_in_any_format_and_invalid_calls_in_process() -> None:
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
         assert "required" in chunks[-1]["ensemble"]["invalid_tool_calls"][0]["error"]
     assert broken["finish_reason"] == "stop" and broken["message"]["content"] == hot
+
+
+def test_a_stop_signal_answers_the_running_generations_with_what_they_have(tmp_path: Path) -> None:
+    """SIGTERM while a stream and a whole request decode: each ends with its text so far and finish_reason
+    "cancelled" (the docs' promise). Before, nothing cancelled them: uvicorn's graceful shutdown waited 5 s,
+    then answered the whole request a plain-text 500 (which OpenAI's client retries) and cut the stream."""
+    import signal
+    import threading
+
+    srv = ServerProcess(["--members", "tiny:smollm2-135m-instruct", "--method", "single", "--set",
+                         "max_new_tokens=3000"], tmp_path / "stop.log").start()
+    try:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
+        long = [{"role": "user", "content": "Tell me a long story."}]
+        chunks: list[Any] = []
+        whole: list[Any] = []
+        errors: list[BaseException] = []
+
+        def stream() -> None:
+            try:
+                chunks.extend(client.chat.completions.create(model=None, messages=long, stream=True))  # type: ignore[arg-type]
+            except BaseException as e:  # noqa: BLE001 - reported by the asserts below
+                errors.append(e)
+
+        def ask() -> None:
+            try:
+                whole.append(client.chat.completions.create(model=None, messages=long))  # type: ignore[arg-type]
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=ask)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while (len(chunks) < 3 or srv.health()["requests"]["active"] < 2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(chunks) >= 3 and not errors, errors
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert whole[0].choices[0].finish_reason == "cancelled" and whole[0].choices[0].message.content
+        ends = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert ends == ["cancelled"] and "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert srv.proc.wait(30) == -signal.SIGTERM  # uvicorn re-raises the signal once it has stopped
+        assert "Stopping: 2 generation(s) cancelled" in srv.log_text()
+    finally:
+        srv.stop()
 
 
 def test_server_log_has_no_crash(server: ServerProcess) -> None:

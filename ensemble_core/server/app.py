@@ -582,6 +582,8 @@ def create_app(ensemble: Ensemble | None = None, *, load: Callable[[], Ensemble]
         if load is not None and not state.done.is_set():
             threading.Thread(target=state.load, args=(load, timeout), name="ensemble-load", daemon=True).start()
         yield
+        if state.engine is not None:  # generations still running once the connections closed (see Engine.stop_all)
+            state.engine.stop_all()
 
     app = FastAPI(title="ensemble_core OpenAI-compatible server", lifespan=lifespan)
     app.state.loading = state

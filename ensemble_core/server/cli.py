@@ -122,7 +122,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Bind, load in the background, serve until interrupted. 0 on a clean stop, 1 if loading failed."""
+    """Bind, load in the background, serve until interrupted; 1 if loading failed.
+
+    On SIGINT / SIGTERM the running generations end first (each answers with what it has,
+    ``finish_reason: "cancelled"``: :meth:`~ensemble_core.server.engine.Engine.stop_all`), then uvicorn
+    stops and, as uvicorn does, re-raises the signal (exit status 130 / 143 from a shell).
+    """
     try:
         import uvicorn
 
@@ -163,9 +168,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "Listening on %s without --api-key: anyone who can reach this address can use the server.", host)
     app = create_app(load=build, served_model_names=args.served_model_name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, timeout=args.timeout)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
-                                           timeout_graceful_shutdown=5))
     state = app.state.loading
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, ending the live generations when a stop signal arrives: its graceful shutdown
+        then finds them answered instead of cutting them when ``timeout_graceful_shutdown`` ends."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if state.engine is not None:
+                state.engine.stop_all()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
+                                   timeout_graceful_shutdown=5))
 
     def stop_if_load_fails() -> None:
         state.done.wait()

@@ -23,12 +23,21 @@ import inspect
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Protocol
 
 from ensemble_core.decoding.generation import GenerationResult
 from ensemble_core.ensemble import Ensemble
-from ensemble_core.errors import EnsembleError, GenerationCancelled, GenerationTimeout, InputError, UnsupportedParameterError
+from ensemble_core.errors import (
+    ApiError,
+    ConfigurationError,
+    EnsembleError,
+    GenerationCancelled,
+    GenerationTimeout,
+    InputError,
+    UnsupportedParameterError,
+)
 from ensemble_core.serving.runtime import Run, config_fields
 from ensemble_core.text.chat import Prompt
 
@@ -67,7 +76,7 @@ class ServedRun(Run):
         except (GenerationCancelled, GeneratorExit):
             outcome = "cancelled"
             raise
-        except InputError:
+        except (InputError, ConfigurationError):  # the request's fault, answered 400 (an option checked as the run starts)
             outcome = "rejected"
             raise
         finally:
@@ -80,10 +89,13 @@ class Engine:
 
     Counters (``snapshot()``, shown by ``GET /health``): ``started``, ``active``, and by
     outcome of the *core* loop ``completed``, ``cancelled`` (a cancel event stopped it:
-    client gone, shutdown), ``timed_out``, ``rejected`` (the core refused the input, e.g. a
-    prompt too long for a member's window) and ``failed`` (anything else); ``disconnects``
-    counts clients that went away before their answer was complete (each cancels its
-    generation).
+    client gone, shutdown), ``timed_out``, ``rejected`` (the core refused the input or an
+    option, e.g. a prompt too long for a member's window: answered 400) and ``failed``
+    (anything else); ``disconnects`` counts clients that went away before their answer was
+    complete (each cancels its generation).
+
+    :meth:`stop_all` ends the live generations at shutdown: each answers with what it has
+    (``finish_reason: "cancelled"``) instead of being cut when the server's grace period ends.
     """
 
     def __init__(self, ensemble: Ensemble, timeout: float | None = None) -> None:
@@ -92,14 +104,41 @@ class Engine:
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(("started", "active", "completed", "cancelled", "timed_out", "rejected",
                                        "failed", "disconnects"), 0)
+        self._live: weakref.WeakSet[Run] = weakref.WeakSet()
+        self.stopping = False
         params = inspect.signature(ensemble.stream).parameters
         #: Which of :data:`CORE_FEATURES` the core takes: as keywords of ``stream`` or as config fields.
         self.core_features = frozenset(name for name in CORE_FEATURES if name in params or name in self.fields)
 
     # ------------------------------------------------------------------ the swap point
     def start(self, prompt: Prompt, overrides: Mapping[str, Any], features: Mapping[str, Any] | None = None) -> Generation:
-        """Start one generation. Options are validated here (typed errors raise before anything runs)."""
-        return ServedRun(self, self.ensemble, prompt, {**overrides, **(features or {})}, self.timeout)
+        """Start one generation. Options are validated here (typed errors raise before anything runs); once the
+        server is stopping, a new one is refused (503)."""
+        run = ServedRun(self, self.ensemble, prompt, {**overrides, **(features or {})}, self.timeout)
+        with self._lock:
+            if self.stopping:
+                raise ApiError(503, "The server is shutting down; send the request again once it is back.",
+                               type="server_error", code="server_shutting_down")
+            self._live.add(run)
+        return run
+
+    def stop_all(self) -> int:
+        """Cancel every live generation and refuse new ones (the server is stopping); returns how many.
+
+        Each stops after its current round and answers with the text it has, ``finish_reason:
+        "cancelled"``, whole or streamed (its finishing chunk and ``[DONE]``). Without this, uvicorn's
+        graceful shutdown waited for them until its timeout and then cut them: a plain-text 500
+        (which OpenAI's client retries) or a stream without its end. Safe to call from a signal handler:
+        it only sets events.
+        """
+        with self._lock:
+            self.stopping = True
+            live = list(self._live)
+        for run in live:
+            run.cancel()
+        if live:
+            log.info("Stopping: %d generation(s) cancelled; each answers with what it has", len(live))
+        return len(live)
 
     def generate_keywords(self, requested: Mapping[str, Any]) -> dict[str, Any]:
         """Request features (``tools`` …) → keywords for the core; raises :class:`UnsupportedParameterError` for the others.
