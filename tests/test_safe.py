@@ -125,7 +125,7 @@ def check_result(result: GenerationResult, max_new_tokens: int) -> None:
 # ============================================================================ config
 @pytest.mark.parametrize("option, value", [
     ("drafter", -1), ("drafter", "0"), ("lookahead", 0), ("lookahead", True), ("distribution", "mean"),
-    ("top_k", 0), ("consensus_threshold", 1.5), ("consensus_threshold", "high"), ("sharpening", "max"),
+    ("top_k", 0), ("top_k", 1001), ("consensus_threshold", 1.5), ("consensus_threshold", "high"), ("sharpening", "max"),
     ("margin", -1), ("max_new_tokens", 0), ("draft_confidence", 1.0), ("draft_confidence", -0.1),
     ("draft_confidence", "0.5"), ("prompt_lookup", -1), ("prompt_lookup", 2.5), ("prompt_lookup", True),
     ("prompt_lookup_max_requests", 0), ("prompt_lookup_max_requests", "1"),
