@@ -84,7 +84,8 @@ def test_cancel_stops_generation(tiny_llama: Member) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(max_new_tokens=0), dict(temperature=-1), dict(max_new_tokens="10"), dict(max_new_tokens=True),
+    [dict(max_new_tokens=0), dict(temperature=-1), dict(temperature=float("inf")), dict(max_new_tokens="10"),
+     dict(max_new_tokens=True),
      dict(top_p=1.5), dict(stop=[""]), dict(seed="x")],
 )
 def test_bad_generation_config_raises_typed_error(bad) -> None:

@@ -106,7 +106,7 @@ class GenerationConfig:
             raise InvalidOptionError("stop", self.stop, "a string or a list of non-empty strings")
         check_int("max_new_tokens", self.max_new_tokens, 1)
         check_bool("do_sample", self.do_sample)
-        check_number("temperature", self.temperature, 0, expected="a number >= 0 (0 decodes greedily)")
+        check_number("temperature", self.temperature, 0, finite=True, expected="a finite number >= 0 (0 decodes greedily)")
         if self.temperature == 0:
             object.__setattr__(self, "do_sample", False)
         check_number("top_p", self.top_p, 0, 1, above=True)
