@@ -12,6 +12,7 @@ from ensemble_core.text.alignment import (
     encode_continuation,
     is_common_boundary,
     tokenize,
+    tokenize_open,
 )
 
 ADVERSARIAL = [
@@ -161,3 +162,27 @@ def test_tokenize_takes_transformers_call_when_the_backend_is_set_otherwise() ->
     tok.backend_tokenizer.encode_special_tokens = True  # the tokenizer says: keep special tokens whole
     assert tokenize(tok, f"a{eos}b").ids == tuple(tok(f"a{eos}b", add_special_tokens=False)["input_ids"])
     assert tok.eos_token_id in tokenize(tok, f"a{eos}b").ids
+
+
+@pytest.mark.parametrize("text", ["```\n\n", "a\n\n\n", "Hi.\n", "word  ", "x\t\n", "no space", "", "北京\n\n"])
+def test_an_open_end_splits_a_trailing_whitespace_run_as_text_after_it_would(tok, text: str) -> None:
+    """tokenize_open(text) is the encoding of text + more, cut at text's end, where that covers text exactly."""
+    opened = tokenize_open(tok, text, offset=3)
+    assert opened.text == text and decode(tok, list(opened.ids)) == text
+    assert opened.ends[-1:] in ((), (3 + len(text),)) and all(opened.valid[-1:])
+    after = tokenize(tok, text + "This", offset=3)
+    n = len(opened)
+    if opened.ids != tokenize(tok, text, offset=3).ids:  # split: then exactly as text after it reads
+        assert after.ids[:n] == opened.ids and after.starts[n] == 3 + len(text)
+
+
+def test_smollm2_keeps_newlines_apart_before_the_next_text() -> None:
+    tok = bundled_tokenizer("smollm2-135m-instruct")
+    names = tok.convert_ids_to_tokens
+    assert names(list(tokenize(tok, "```\n\n").ids)) == ["```", "ĊĊ"]  # the tokenizer at a text's end
+    assert names(list(tokenize_open(tok, "```\n\n").ids)) == ["```", "Ċ", "Ċ"]  # and once text follows
+    previous = tokenize(tok, "```\n")
+    _, merged = encode_continuation(tok, "```\n\n", previous, open_end=True)
+    assert names(list(merged.ids)) == ["```", "Ċ", "Ċ"]
+    assert names(list(encode_continuation(tok, "```\n\n", previous)[1].ids)) == ["```", "ĊĊ"]  # published
+

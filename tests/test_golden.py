@@ -52,6 +52,21 @@ LEVER_CASES = ["safe-unite-d0", "safe-unite-d1", "safe-gac-d0"]
 @pytest.mark.parametrize("name", LEVER_CASES)
 def test_default_drafting_levers_keep_the_recorded_outputs(name: str, real_pair: list[Member]) -> None:
     _, method, idx, config = next(c for c in record.CASES if c[0] == name)
-    config = {**{k: v for k, v in config.items() if k != "published"}, "reliability": "none", "sub_tokens": "shared"}
+    config = {**{k: v for k, v in config.items() if k != "published"}, "reliability": "none", "sub_tokens": "shared",
+              "open_end": False}
     got = [record.run_case(real_pair, method, idx, config, p) for p in record.PROMPTS]
     assert got == RECORDED["cases"][name]
+
+
+def test_every_token_over_two_copies_of_a_member_writes_its_text(real_pair: list[Member]) -> None:
+    """Found by an invariant pass: every-token re-encoded "```\n\n" as SmolLM2 ends a text (one token ĊĊ, never
+    used before more text) and both copies wrote newlines to the budget where SmolLM2 alone went on."""
+    from ensemble_core import Ensemble
+
+    smol, prompt = real_pair[0], "Write a Python function that adds two numbers."
+    alone = Ensemble([smol], method="single", max_new_tokens=32).generate(prompt)
+    assert "```\n\nThis" in alone.text  # the case: a paragraph after a code block
+    assert Ensemble([smol, smol], method="every-token", max_new_tokens=32).generate(prompt).text == alone.text
+    merged = Ensemble([smol, smol], method="every-token", max_new_tokens=32, open_end=False).generate(prompt)
+    assert merged.text.endswith("\n" * 8) and "This" not in merged.text  # the papers' re-encoding, kept under published=True
+

@@ -89,6 +89,12 @@ class GenerationConfig:
     #: with ``tool_choice="auto"`` the reply ends once its first call is complete (the lazy grammar allows
     #: only the end there), and a reply read without the grammar keeps its first call.
     parallel_tool_calls: bool = True
+    #: When a method re-encodes a reply it is writing (every-token after each token, SAFE's verifiers and its
+    #: appended text, SpecEM's segments): a trailing whitespace run is split as it will be once text follows
+    #: (:func:`~ensemble_core.text.alignment.tokenize_open`). SmolLM2's tokenizer writes ``"\n\n"`` at the end
+    #: of a text as one token it never uses mid-text; members placed after it wrote newlines to the budget.
+    #: None: True, False under ``published=True`` (the papers' code re-encodes the plain way).
+    open_end: bool | None = None
     #: The papers' exact settings for every option left at its default (uniform votes, UniTE's
     #: published scoring, one token per drafter pass, drafts of ``lookahead`` tokens), where the
     #: defaults are otherwise the measured-best (per device: :func:`~ensemble_core.options.device_default`;
@@ -120,6 +126,8 @@ class GenerationConfig:
         check_margin(self.close_margin)
         check_bool("lazy_tool_grammar", self.lazy_tool_grammar)
         check_bool("exclude_repeated_calls", self.exclude_repeated_calls)
+        check_bool("open_end", self.open_end, "True, False or None (None: True, False under published=True)",
+                   optional=True)
         check_bool("published", self.published)
         next_post_init(GenerationConfig, self)  # the option groups a method config adds (ensemble_core.options)
 

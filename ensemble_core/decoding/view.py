@@ -36,7 +36,9 @@ class MemberView:
     text), with character spans relative to the start of that text. The decoding state's
     response ids equal ``tokens.ids`` after :meth:`commit`; in between, a method may run
     further ids through the state (SAFE's drafter drafts ahead of its committed tokens, a
-    verifier's ``tokens`` cover the draft it is checking).
+    verifier's ``tokens`` cover the draft it is checking). ``open_end``: a trailing whitespace run of
+    re-encoded text is split as it will be once text follows (:func:`~ensemble_core.text.alignment.tokenize_open`;
+    the config's ``open_end``; off under ``published=True``, where the text is re-encoded as the papers' code does).
     """
 
     member: Member
@@ -44,6 +46,7 @@ class MemberView:
     pipeline: TokenPipeline
     lead: str = ""
     tokens: Tokenized = EMPTY
+    open_end: bool = True
 
     @property
     def tokenizer(self) -> object:
@@ -66,7 +69,7 @@ class MemberView:
 
     def continuation(self, text: str, margin: int = DEFAULT_MARGIN) -> tuple[int, Tokenized]:
         """Tokenize the member's new text ``text`` reusing :attr:`tokens` (see ``encode_continuation``)."""
-        return encode_continuation(self.member.tokenizer, text, self.tokens, margin)
+        return encode_continuation(self.member.tokenizer, text, self.tokens, margin, open_end=self.open_end)
 
     def appended(self, shared: str, new: str) -> tuple[int, Tokenized]:
         """:meth:`continuation` for the shared text ``shared`` followed by ``new``."""
@@ -126,5 +129,6 @@ def start_views(members: Sequence[Member], prompt: Prompt, config: GenerationCon
             grammar.set_budget(config.max_new_tokens)  # methods that commit text tell it again each round
         elif calls is not None:
             lazy = calls.start(m, config.loops, margin, config.max_new_tokens)
-        views.append(MemberView(m, state, TokenPipeline(config, generator, grammar, lazy), m.lead_of(messages)))
+        views.append(MemberView(m, state, TokenPipeline(config, generator, grammar, lazy), m.lead_of(messages),
+                                open_end=not config.published if config.open_end is None else config.open_end))
     return views

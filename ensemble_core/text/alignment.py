@@ -168,6 +168,38 @@ def tokenize(tokenizer: Any, text: str, offset: int = 0) -> Tokenized:
     return Tokenized(text, tuple(ids), tuple(starts), tuple(ends), tuple(valid))
 
 
+#: Text appended after a trailing whitespace run to see how the run splits once text follows it
+#: (:func:`tokenize_open`); a letter, which no pre-tokenizer joins to a newline before it.
+OPEN_END = "x"
+
+
+def tokenize_open(tokenizer: Any, text: str, offset: int = 0) -> Tokenized:
+    """Tokenize ``text``, the end of a reply that is still being written, as it will read once text follows.
+
+    Why: byte-level BPE with GPT-2's pre-tokenizer (SmolLM2) encodes a whitespace run at the *end*
+    of a text as one token (``"```\n\n"`` → ``` ```, ĊĊ ```) but splits it once text follows
+    (``"```\n\nThis"`` → ``` ```, Ċ, Ċ, This ```). Re-encoding a reply after each committed piece
+    (every-token, SAFE's appended text) put the members after ``ĊĊ``, a context they never meet
+    mid-text: they wrote another newline, and the run grew to the token budget (two copies of
+    SmolLM2 under every-token: ``"```\n\n\n\n..."`` where SmolLM2 alone wrote ``"```\n\nThis"``).
+    So a trailing whitespace run is encoded with :data:`OPEN_END` after it, and the tokens that
+    cover ``text`` exactly are kept; where the run would join the next text's first token (a
+    trailing space before a word), the plain encoding stands.
+    """
+    plain = tokenize(tokenizer, text, offset)
+    if not text or not text[-1].isspace():
+        return plain
+    opened = tokenize(tokenizer, text + OPEN_END, offset)
+    end = offset + len(text)
+    n = sum(1 for e in opened.ends if e <= end)
+    if n == 0 or opened.ends[n - 1] != end or (n < len(opened) and opened.starts[n] < end):
+        return plain
+    if opened.ids[:n] == plain.ids:
+        return plain
+    cut = opened.prefix(n)
+    return Tokenized(text, cut.ids, cut.starts, cut.ends, cut.valid)
+
+
 def is_common_boundary(offset: int, tokenizations: Iterable[Tokenized]) -> bool:
     """True when ``offset`` is a token boundary in every given tokenization.
 
@@ -184,7 +216,7 @@ def _common_prefix_len(a: str, b: str) -> int:
 
 
 def encode_continuation(
-    tokenizer: Any, text: str, previous: Tokenized, margin: int = DEFAULT_MARGIN
+    tokenizer: Any, text: str, previous: Tokenized, margin: int = DEFAULT_MARGIN, open_end: bool = False
 ) -> tuple[int, Tokenized]:
     """Tokenize ``text`` reusing ``previous`` (a tokenization of an earlier version).
 
@@ -195,11 +227,13 @@ def encode_continuation(
 
     Returns ``(keep, tokenized)``: the new tokenization of ``text`` and how many of its
     leading token ids equal ``previous``'s (a KV cache may be kept up to ``keep``).
+    ``open_end``: ``text`` is a reply still being written, whose trailing whitespace run is
+    encoded as it will be once text follows (:func:`tokenize_open`).
     """
     common = _common_prefix_len(previous.text, text)
     split = previous.last_boundary(min(previous.tokens_before(common), max(len(previous) - margin, 0)))
     start = previous.end(split)
-    tail = tokenize(tokenizer, text[start:], offset=start)
+    tail = (tokenize_open if open_end else tokenize)(tokenizer, text[start:], offset=start)
     merged = previous.prefix(split).extend(tail)  # the texts agree up to ``start`` (<= the common prefix)
     keep = split
     for a, b in zip(tail.ids, previous.ids[split:]):
