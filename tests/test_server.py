@@ -350,6 +350,8 @@ def test_errors_raise_the_openai_exception_classes(server: ServerProcess, client
     with pytest.raises(openai.BadRequestError) as overflow:
         client.chat.completions.create(model=TINY_NAME, messages=HELLO, max_tokens=100_000, stream=True)
     assert overflow.value.code == "context_length_exceeded"
+    message = overflow.value.body["message"]  # OpenAI's words, in the request's names
+    assert "maximum context length is 4096 tokens" in message and "100000 in the completion: max_tokens" in message
     assert server.health()["requests"]["rejected"] == rejected + 1  # refused by the core, counted as such
     with pytest.raises(openai.APIStatusError) as too_large:
         client.chat.completions.create(model=TINY_NAME, messages=[{"role": "user", "content": "x" * (MAX_BODY + 1)}])

@@ -104,8 +104,12 @@ def api_error(exc: BaseException, input_param: str = "messages") -> ApiError:
         return exc
     if isinstance(exc, UnsupportedParameterError):
         return ApiError(400, str(exc), param=exc.param, code="unsupported_parameter")
-    if isinstance(exc, PromptTooLongError):
-        return ApiError(400, str(exc), param=input_param, code="context_length_exceeded")
+    if isinstance(exc, PromptTooLongError):  # OpenAI's words, in the request's names (the core's say max_new_tokens)
+        where = "prompt" if input_param == "prompt" else "messages"
+        return ApiError(400, f"This model's maximum context length is {exc.window} tokens (member {exc.member!r}). "
+                             f"However, you requested {exc.prompt_tokens + exc.max_new_tokens} tokens ({exc.prompt_tokens} "
+                             f"in the {where}, {exc.max_new_tokens} in the completion: max_tokens). Please reduce the "
+                             f"length of the {where} or max_tokens.", param=input_param, code="context_length_exceeded")
     if isinstance(exc, UnsupportedContentError):
         return ApiError(400, str(exc), param=input_param, code="unsupported_content")
     if isinstance(exc, InputError):
