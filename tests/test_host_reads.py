@@ -63,7 +63,8 @@ def test_prefix_merge_reads_its_scores_once() -> None:
 #: Reads per output token (copies to the host included), measured when these bounds were set (2026-12-06,
 #: tiny random pair, 32 tokens): single 1.0 (the chosen id); every-token 2.6 (the members' top-k ids with
 #: their probabilities of every candidate in one read, a second read the first time a string is a candidate
-#: that is not one of a member's tokens (random members keep writing new ones), the fused choice; was 3.2
+#: that is not one of a member's tokens (random members keep writing new ones), the fused choice; per round since
+#: ``open_end`` (2026-12-08: 2.2 over 122 rounds for 31 tokens of newlines, 2.4 over 34 without it); was 3.2
 #: with the probabilities read after the ids, 4.3 + 2.1 copies with one read and one copy per member);
 #: SAFE with random members (points ensembled early, published drafting, the draft's ids kept on the
 #: device) 0.66 (0.7 before the one-read fusion; 1.9 with one read per drafted token); SpecEM 0.25 (each
@@ -88,6 +89,8 @@ def test_reads_per_output_token_stay_per_round(method: str, tiny_llama: Member, 
         result = ensemble.generate("Name three primary colors.")
     tokens = result.stats.get("tokens", result.completion_tokens)
     assert tokens >= 16, result
+    if method == "every-token":  # one fusion per round: a round's newline added to a run of newlines may leave the
+        tokens = result.stats["rounds"]  # count of the primary's tokens as it was (tiny members write such runs)
     assert reads.per_token(tokens) <= BOUNDS[method], (dict(reads.counts), tokens)
 
 
