@@ -17,7 +17,7 @@ from ensemble_core.decoding.members import Member
 from ensemble_core.decoding.scheduler import batching_config
 from ensemble_core.errors import ConfigurationError, InvalidOptionError, NoMembersError
 from ensemble_core.methods import method_class
-from ensemble_core.models.loading import MemberSpec
+from ensemble_core.models.loading import MemberSpec, member_spec, spec_of_dict
 from ensemble_core.remote import RayMemberSpec, RayOptions, RemoteMember
 from ensemble_core.text.chat import Prompt
 
@@ -44,9 +44,9 @@ def resolve_member(item: MemberLike, ray_options: RayOptions | dict | None = Non
         model, tokenizer = item
         return Member(model, tokenizer)
     if isinstance(item, dict):
-        return Member.load(MemberSpec(**{**options, **item}))
+        return Member.load(spec_of_dict(item, options))
     if isinstance(item, str) or hasattr(item, "__fspath__"):
-        return Member.load(str(item), **options)
+        return Member.load(member_spec(str(item), options))
     raise ConfigurationError(
         f"Cannot build a member from {type(item).__name__}: pass an alias, a path, a model id, a MemberSpec, "
         "a Member, a dict of MemberSpec fields or a (model, tokenizer) pair."
@@ -58,9 +58,9 @@ def on_ray(item: MemberLike, **options: Any) -> RayMemberSpec | RemoteMember:
     if isinstance(item, (RayMemberSpec, RemoteMember)):
         return item
     if isinstance(item, dict):
-        return RayMemberSpec(MemberSpec(**{**options, **item}))
+        return RayMemberSpec(spec_of_dict(item, options))
     if isinstance(item, (str, MemberSpec)) or hasattr(item, "__fspath__"):
-        return RayMemberSpec(item if isinstance(item, MemberSpec) else MemberSpec(source=str(item), **options))
+        return RayMemberSpec(item if isinstance(item, MemberSpec) else member_spec(str(item), options))
     raise ConfigurationError(
         f"backend='ray' cannot place a prebuilt {type(item).__name__}: its weights live in this process. Pass its "
         "alias, path, hub id or MemberSpec (the actor loads it on its node), or a RayMemberSpec."

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ensemble_core import (
     Ensemble,
@@ -127,11 +128,37 @@ def test_prompt_longer_than_context_window(tiny_llama: Member) -> None:
         (dict(source="x", device="gpu0"), "device"),
         (dict(source="x", device="cpu", device_map="auto"), "device_map"),
         (dict(source=""), "source"),
+        # found by a pass over the member options: these crashed inside transformers / jinja2 / torch, or (the
+        # string "no") reached transformers as a true trust_remote_code
+        (dict(source="x", dtype=["float32"]), "dtype"),
+        (dict(source="x", dtype=torch.int8), "dtype"),
+        (dict(source="x", device_map=123), "device_map"),
+        (dict(source="x", chat_template=123), "chat_template"),
+        (dict(source="x", chat_template=""), "chat_template"),
+        (dict(source="x", chat_template="{% for m in messages %}{{ m.content }"), "chat_template"),
+        (dict(source="x", attn_implementation=5), "attn_implementation"),
+        (dict(source="x", trust_remote_code="no"), "trust_remote_code"),
     ],
 )
 def test_invalid_member_options(kwargs: dict, option: str) -> None:
     with pytest.raises(InvalidOptionError, match=option):
         MemberSpec(**kwargs)
+
+
+def test_member_options_are_checked_by_name_and_member_load_applies_them(tiny_llama: Member, tmp_path: Path) -> None:
+    """member_options with a typo, 'source', or a dict member without 'source' raised a bare TypeError;
+    Member.load(spec, **options) dropped the options."""
+    from ensemble_core.errors import UnknownOptionError
+
+    with pytest.raises(UnknownOptionError, match="dtyp -> dtype"):
+        Ensemble(["smollm2-135m-instruct"], method="single", member_options={"dtyp": "float32"})
+    with pytest.raises(ConfigurationError, match="cannot set 'source'"):
+        Ensemble(["smollm2-135m-instruct"], method="single", member_options={"source": "x"})
+    with pytest.raises(ConfigurationError, match="needs its 'source'"):
+        Ensemble([{"dtype": "float32"}], method="single")
+    tiny_llama.model.save_pretrained(tmp_path)
+    tiny_llama.tokenizer.save_pretrained(tmp_path)
+    assert Member.load(MemberSpec(str(tmp_path)), name="renamed", prefix_cache=0).name == "renamed"
 
 
 def test_a_device_this_process_lacks_is_refused_before_the_weights_load() -> None:

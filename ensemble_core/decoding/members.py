@@ -8,6 +8,7 @@ through text (see :mod:`ensemble_core.text.alignment`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -31,7 +32,14 @@ from ensemble_core.errors import (
     PromptTooLongError,
 )
 from ensemble_core.models.bundled import BUNDLED
-from ensemble_core.models.loading import DEFAULT_PREFIX_CACHE, MemberSpec, check_passes, check_prefix_cache, load_objects
+from ensemble_core.models.loading import (
+    DEFAULT_PREFIX_CACHE,
+    MemberSpec,
+    check_passes,
+    check_prefix_cache,
+    load_objects,
+    member_spec,
+)
 from ensemble_core.text import alignment
 from ensemble_core.text.chat import (
     FALLBACK_STOPS,
@@ -76,7 +84,7 @@ class Member:
     @classmethod
     def load(cls, source: str | MemberSpec, **options: Any) -> Member:
         """Load a member from an alias, a directory, a GGUF file or a hub id (cached per process)."""
-        spec = source if isinstance(source, MemberSpec) else MemberSpec(source=str(source), **options)
+        spec = dataclasses.replace(source, **options) if isinstance(source, MemberSpec) else member_spec(str(source), options)
         model, tokenizer = load_objects(spec)
         name = spec.name or (str(spec.source) if spec.source in BUNDLED else Path(str(spec.source)).name or str(spec.source))
         return cls(model, tokenizer, name=name, chat_template=spec.chat_template, passes=spec.passes,

@@ -9,6 +9,7 @@ decoding: :class:`~ensemble_core.decoding.members.Member` wraps what it loads.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import gc
@@ -19,7 +20,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +29,12 @@ from typing import Any, TypeVar
 import torch
 
 from ensemble_core.errors import (
+    ConfigurationError,
     InvalidOptionError,
     MissingDependencyError,
     ModelLoadError,
     UnknownAliasError,
+    UnknownOptionError,
 )
 from ensemble_core.models.bundled import BUNDLED, convert_gguf
 from ensemble_core.models.products import available_memory, should_prepack, use_cpu_products
@@ -93,8 +96,22 @@ class MemberSpec:
             raise InvalidOptionError("source", self.source, "an alias, a path or a model id")
         if self.device is not None and self.device_map is not None:
             raise InvalidOptionError("device_map", self.device_map, "None when device is given (pass one of them)")
-        if not (self.dtype == "auto" or self.dtype in _DTYPES or isinstance(self.dtype, torch.dtype)):
-            raise InvalidOptionError("dtype", self.dtype, "'auto', 'float32', 'float16', 'bfloat16' or a torch.dtype")
+        if not ((isinstance(self.dtype, str) and (self.dtype == "auto" or self.dtype in _DTYPES))
+                or (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point)):
+            raise InvalidOptionError("dtype", self.dtype, "'auto', 'float32', 'float16', 'bfloat16' or a floating torch.dtype")
+        if self.device_map is not None and not isinstance(self.device_map, (str, dict)):
+            raise InvalidOptionError("device_map", self.device_map, "None, a string such as 'auto' or a dict of module "
+                                     "names to devices")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template.strip()):
+            raise InvalidOptionError("chat_template", self.chat_template, "None (the tokenizer's template) or a Jinja "
+                                     "template string")
+        if self.chat_template is not None:
+            check_template(self.chat_template)
+        if self.attn_implementation is not None and (not isinstance(self.attn_implementation, str)
+                                                     or not self.attn_implementation):
+            raise InvalidOptionError("attn_implementation", self.attn_implementation, "None or a name such as 'sdpa' "
+                                     "or 'eager'")
+        check_bool("trust_remote_code", self.trust_remote_code)
         if self.device is not None:
             try:
                 torch.device(self.device)
@@ -107,6 +124,38 @@ class MemberSpec:
                                                or not isinstance(self.max_cache_len, int) or self.max_cache_len < 64):
             raise InvalidOptionError("max_cache_len", self.max_cache_len, "None or an int >= 64 (tokens per slot)")
         check_prefix_cache(self.prefix_cache)
+
+
+def check_template(template: str) -> None:
+    """Compile a ``chat_template`` override now, as transformers compiles it for ``apply_chat_template`` (its
+    sandbox and extensions, ``{% generation %}`` included): a syntax error is the spec's, not every request's."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as exc:
+        raise InvalidOptionError("chat_template", template[:80] + ("..." if len(template) > 80 else ""),
+                                 f"a Jinja template that parses (line {exc.lineno}: {exc.message})") from exc
+
+
+def member_spec(source: Any, options: Mapping[str, Any]) -> MemberSpec:
+    """``MemberSpec(source, **options)`` with the options' names checked (a typo or a misplaced ``source`` is a
+    typed error naming the accepted fields, not a ``TypeError`` from the dataclass)."""
+    known = {f.name for f in dataclasses.fields(MemberSpec)} - {"source"}
+    unknown = set(options) - known
+    if "source" in unknown:
+        raise ConfigurationError("member_options cannot set 'source': each member's source is its entry in members=[...].")
+    if unknown:
+        raise UnknownOptionError(unknown, "MemberSpec (member_options)", known)
+    if source is None:
+        raise ConfigurationError("A member given as a dict needs its 'source' (an alias, a path or a model id).")
+    return MemberSpec(source=source, **options)
+
+
+def spec_of_dict(item: Mapping[str, Any], options: Mapping[str, Any]) -> MemberSpec:
+    """A member given as a dict of :class:`MemberSpec` fields, over the ensemble's ``member_options``."""
+    return member_spec(item.get("source"), {**options, **{k: v for k, v in item.items() if k != "source"}})
 
 
 def check_prefix_cache(tokens: Any) -> int:
