@@ -159,6 +159,12 @@ def test_member_options_are_checked_by_name_and_member_load_applies_them(tiny_ll
     tiny_llama.model.save_pretrained(tmp_path)
     tiny_llama.tokenizer.save_pretrained(tmp_path)
     assert Member.load(MemberSpec(str(tmp_path)), name="renamed", prefix_cache=0).name == "renamed"
+    from ensemble_core.models.loading import load_key
+
+    spellings = [MemberSpec(str(tmp_path), dtype=d, device=v) for d in ("auto", "float32", torch.float32)
+                 for v in (None, "cpu")]
+    assert len({load_key(s) for s in spellings}) == 1  # one copy of the weights, however the options are written
+    assert load_key(MemberSpec(str(tmp_path), dtype="bfloat16")) != load_key(spellings[0])
 
 
 def test_a_device_this_process_lacks_is_refused_before_the_weights_load() -> None:

@@ -419,14 +419,22 @@ def on_cpu(spec: MemberSpec) -> bool:
     return spec.device_map is None and str(spec.device or "cpu").startswith("cpu")
 
 
+def load_key(spec: MemberSpec) -> tuple[Any, ...]:
+    """The per-process load cache's key: what the options resolve to, not how they are written, so that
+    ``dtype="auto"`` / ``"float32"`` / ``torch.float32`` and ``device=None`` / ``"cpu"`` on a CPU share one copy
+    of the weights (they loaded one copy each: six of SmolLM2 for six spellings)."""
+    device = None if spec.device is not None and str(torch.device(spec.device)) == "cpu" else spec.device
+    return (str(spec.source), str(_resolve_dtype(spec.dtype, spec.device)), device, repr(spec.device_map),
+            spec.attn_implementation, spec.trust_remote_code, spec.quantize, spec.prepack)
+
+
 def load_objects(spec: MemberSpec) -> tuple[Any, Any]:
     """Load (or fetch from the per-process cache) a model and tokenizer for ``spec``.
 
     A CPU member loads in a thread of its own (:func:`in_passing_thread`), so that the caller's thread
     keeps no OpenMP team. A GPU member loads here: the caller's current CUDA device is its own
     (``torch.cuda.set_device``) and would not carry over to another thread."""
-    key = (str(spec.source), str(spec.dtype), spec.device, repr(spec.device_map),
-           spec.attn_implementation, spec.trust_remote_code, spec.quantize, spec.prepack)
+    key = load_key(spec)
     with _LOAD_LOCK:
         if key not in _LOADED:
             t0 = time.perf_counter()
