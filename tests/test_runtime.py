@@ -18,6 +18,20 @@ def test_identical_descriptions_share_one_ensemble(tiny_llama: Member, tiny_gemm
     assert shared_ensemble([tiny_gemma, tiny_llama], "single", {"max_new_tokens": 4}) is not a
 
 
+def test_member_specs_are_keyed_by_their_fields(tiny_llama: Member, tmp_path) -> None:
+    """A MemberSpec with a dict ``device_map`` made the cache key unhashable (a raw TypeError)."""
+    from ensemble_core import MemberSpec
+    from ensemble_core.serving.runtime import member_key
+
+    tiny_llama.model.save_pretrained(tmp_path)
+    tiny_llama.tokenizer.save_pretrained(tmp_path)
+    mapped = [MemberSpec(str(tmp_path), device_map={"": "cpu"}) for _ in range(2)]
+    assert hash(member_key(mapped[0])) == hash(member_key(mapped[1])) and member_key(mapped[0]) == member_key(mapped[1])
+    assert member_key(MemberSpec(str(tmp_path))) != member_key(mapped[0])
+    clear_shared()
+    assert shared_ensemble([mapped[0]], "single") is shared_ensemble([mapped[1]], "single")
+
+
 def test_run_streams_and_validates_early(tiny_llama: Member) -> None:
     ens = shared_ensemble([tiny_llama], "single")
     run = Run(ens, "hello", {"max_new_tokens": 6})

@@ -212,9 +212,11 @@ def freeze(value: Any) -> Hashable:
         return ("set", frozenset(freeze(v) for v in value))
     if isinstance(value, os.PathLike):
         return ("path", os.fspath(value))
-    if isinstance(value, (str, int, float, bool, type(None), MemberSpec)):
+    if isinstance(value, MemberSpec):  # by its fields: a dict device_map made the spec itself unhashable
+        return ("spec", tuple((f.name, freeze(getattr(value, f.name))) for f in dataclasses.fields(value)))
+    if isinstance(value, (str, int, float, bool, type(None))):
         return value
-    return ("id", id(value))  # Member objects, torch dtypes, ...
+    return ("id", id(value))  # Member objects, torch dtypes (one object each), ...
 
 
 def member_key(item: Any) -> Hashable:
