@@ -539,6 +539,8 @@ def test_bad_pass_options_raise_typed_errors() -> None:
         MemberSpec("smollm2-135m-instruct", passes="static", max_cache_len=8)
     with pytest.raises(InvalidOptionError, match="max_cache_len"):
         StaticPasses(member.model, "static", max_cache_len=16)
+    with pytest.raises(InvalidOptionError, match=r"max_cache_len.*context window"):  # was a raw allocator error
+        Member(member.model, member.tokenizer, passes="static", max_cache_len=10**9)
 
 
 def test_buckets_pad_to_the_next_size() -> None:

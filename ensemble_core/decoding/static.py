@@ -473,6 +473,9 @@ class StaticPasses:
         self.mode = mode
         cfg = text_config(model)
         window = int(getattr(cfg, "max_position_embeddings", 0) or DEFAULT_MAX_CACHE_LEN)
+        if max_cache_len is not None and max_cache_len > window + self.tail:  # no request fills more: memory for nothing
+            raise InvalidOptionError("max_cache_len", max_cache_len, f"an int from {2 * self.tail} to the model's context "
+                                     f"window plus {self.tail} scratch positions ({window + self.tail})")
         self.shape = kv_shape(model, max_cache_len or min(window, DEFAULT_MAX_CACHE_LEN))
         if slots is None:
             slots = default_slots(self.shape)
