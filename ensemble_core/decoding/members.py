@@ -8,7 +8,6 @@ through text (see :mod:`ensemble_core.text.alignment`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import re
@@ -84,7 +83,7 @@ class Member:
     @classmethod
     def load(cls, source: str | MemberSpec, **options: Any) -> Member:
         """Load a member from an alias, a directory, a GGUF file or a hub id (cached per process)."""
-        spec = dataclasses.replace(source, **options) if isinstance(source, MemberSpec) else member_spec(str(source), options)
+        spec = member_spec(source if isinstance(source, MemberSpec) else str(source), options)
         model, tokenizer = load_objects(spec)
         name = spec.name or (str(spec.source) if spec.source in BUNDLED else Path(str(spec.source)).name or str(spec.source))
         return cls(model, tokenizer, name=name, chat_template=spec.chat_template, passes=spec.passes,

@@ -126,27 +126,40 @@ def _stamp_path(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
 
 
-def _stamp_matches(path: Path, sha256: str) -> bool:
-    """Whether ``path`` was hashed before and has not changed since (same size and mtime)."""
+def _stamped_hash(path: Path, stamp: Path) -> str | None:
+    """The sha256 that ``stamp`` records for ``path``, if ``path`` has not changed since (same size and mtime)."""
     try:
-        stamp = json.loads(_stamp_path(path).read_text())
+        known = json.loads(stamp.read_text())
         st = path.stat()
     except (OSError, ValueError):
-        return False
-    return (isinstance(stamp, dict) and stamp.get("sha256") == sha256
-            and stamp.get("size") == st.st_size and stamp.get("mtime_ns") == st.st_mtime_ns)
+        return None
+    if (isinstance(known, dict) and isinstance(known.get("sha256"), str)
+            and known.get("size") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns):
+        return known["sha256"]
+    return None
 
 
-def _write_stamp(path: Path, sha256: str) -> None:
+def _stamp_matches(path: Path, sha256: str) -> bool:
+    """Whether ``path`` was hashed before and has not changed since (same size and mtime)."""
+    return _stamped_hash(path, _stamp_path(path)) == sha256
+
+
+def _write_stamp(path: Path, sha256: str, stamp: Path | None = None) -> None:
+    """Record ``path``'s sha256 with its size and mtime in ``stamp`` (default: next to ``path``), atomically."""
+    stamp = _stamp_path(path) if stamp is None else stamp
     st = path.stat()
-    body = json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-    fd, tmp = tempfile.mkstemp(prefix=_stamp_path(path).name + ".", dir=path.parent)
+    body = json.dumps({"path": str(path), "sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=stamp.name + ".", dir=stamp.parent)
+    except OSError:  # a stamp only saves time: never fail a load over it
+        return
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(body)
         os.chmod(tmp, 0o644)
-        os.replace(tmp, _stamp_path(path))
-    except OSError:  # a stamp only saves time: never fail a load over it
+        os.replace(tmp, stamp)
+    except OSError:
         Path(tmp).unlink(missing_ok=True)
 
 
@@ -261,33 +274,20 @@ def cache_dir() -> Path:
 
 
 def _content_hash(path: Path) -> str:
-    """sha256 of ``path``, hashed once per (path, size, mtime) and then read from a stamp in the cache.
+    """sha256 of ``path``, hashed once per (path, size, mtime) and then read from a stamp.
 
     The stamp lives under the cache directory, not next to the file: a bundled GGUF file sits in
-    site-packages, which may be read-only. A multi-gigabyte GGUF file takes seconds to hash, so
+    site-packages, which may be read-only. A file that :func:`verify_file` stamped (the assembled
+    Gemma-3 and Qwen files) is not hashed again. A multi-gigabyte GGUF file takes seconds to hash, so
     a load hashes only a file it has not seen in that state.
     """
     resolved = path.resolve()
-    st = resolved.stat()
-    key = hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
-    stamp = cache_dir() / "hashes" / f"{resolved.name}-{key}.json"
-    try:
-        known = json.loads(stamp.read_text())
-        if (isinstance(known, dict) and known.get("size") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns
-                and isinstance(known.get("sha256"), str)):
-            return known["sha256"]
-    except (OSError, ValueError):
-        pass
+    stamp = cache_dir() / "hashes" / f"{resolved.name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:16]}.json"
+    known = _stamped_hash(resolved, _stamp_path(resolved)) or _stamped_hash(resolved, stamp)
+    if known is not None:
+        return known
     digest = _sha256(resolved)
-    stamp.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=stamp.name + ".", dir=stamp.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"path": str(resolved), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}, fh)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, stamp)
-    except OSError:  # a stamp only saves time: never fail a load over it
-        Path(tmp).unlink(missing_ok=True)
+    _write_stamp(resolved, digest, stamp)
     return digest
 
 

@@ -140,8 +140,9 @@ def check_template(template: str) -> None:
 
 
 def member_spec(source: Any, options: Mapping[str, Any]) -> MemberSpec:
-    """``MemberSpec(source, **options)`` with the options' names checked (a typo or a misplaced ``source`` is a
-    typed error naming the accepted fields, not a ``TypeError`` from the dataclass)."""
+    """``MemberSpec(source, **options)`` (a ``MemberSpec`` source: that spec with ``options`` replaced) with the
+    options' names checked (a typo or a misplaced ``source`` is a typed error naming the accepted fields, not a
+    ``TypeError`` from the dataclass)."""
     known = {f.name for f in dataclasses.fields(MemberSpec)} - {"source"}
     unknown = set(options) - known
     if "source" in unknown:
@@ -150,6 +151,8 @@ def member_spec(source: Any, options: Mapping[str, Any]) -> MemberSpec:
         raise UnknownOptionError(unknown, "MemberSpec (member_options)", known)
     if source is None:
         raise ConfigurationError("A member given as a dict needs its 'source' (an alias, a path or a model id).")
+    if isinstance(source, MemberSpec):
+        return dataclasses.replace(source, **options)
     return MemberSpec(source=source, **options)
 
 

@@ -261,7 +261,7 @@ def loaded_objects(members: Sequence[Any] | None, ensemble: Any = None) -> list[
 
     ``Member`` objects, ``(model, tokenizer)`` pairs and an ``ensemble=``: weights and running
     threads. A copy of the model object shares them (:func:`deepcopy_memo`); a pickle refuses them
-    (:func:`check_picklable`). Names, paths and ``MemberSpec`` are descriptions, not models.
+    (:func:`reduce_by_constructor`). Names, paths and ``MemberSpec`` are descriptions, not models.
     """
     found: list[tuple[str, tuple[Any, ...]]] = []
     for item in members or ():
@@ -286,16 +286,18 @@ def deepcopy_memo(members: Sequence[Any] | None, *shared: Any, ensemble: Any = N
     return {id(obj): obj for obj in kept}
 
 
-def rebuild(cls: type, values: Mapping[str, Any]) -> Any:
-    """Unpickle an adapter's model object: ``cls(**values)``, its constructor (members load there, once per process)."""
+def _rebuild(cls: type, values: Mapping[str, Any]) -> Any:
     return cls(**values)
 
 
-def check_picklable(owner: str, members: Sequence[Any] | None, ensemble: Any = None) -> None:
-    """Raise :class:`~ensemble_core.errors.NotPicklableError` when ``owner``'s members are loaded objects."""
+def reduce_by_constructor(obj: Any, members: Sequence[Any] | None, ensemble: Any = None) -> tuple[Any, ...]:
+    """``__reduce__`` of an adapter's model object (a pydantic model): the values it was built with, rebuilt by
+    its constructor on load, where members given by name load once per process. Loaded members (or an
+    ``ensemble=``) raise :class:`~ensemble_core.errors.NotPicklableError`: their weights and threads cannot travel."""
     loaded = loaded_objects(members, ensemble)
     if loaded:
-        raise NotPicklableError(owner, [what for what, _ in loaded])
+        raise NotPicklableError(type(obj).__name__, [what for what, _ in loaded])
+    return _rebuild, (type(obj), {name: getattr(obj, name) for name in obj.model_fields_set})
 
 
 def clear_shared() -> None:

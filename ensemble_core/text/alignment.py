@@ -186,18 +186,14 @@ def tokenize_open(tokenizer: Any, text: str, offset: int = 0) -> Tokenized:
     cover ``text`` exactly are kept; where the run would join the next text's first token (a
     trailing space before a word), the plain encoding stands.
     """
-    plain = tokenize(tokenizer, text, offset)
     if not text or not text[-1].isspace():
-        return plain
-    opened = tokenize(tokenizer, text + OPEN_END, offset)
+        return tokenize(tokenizer, text, offset)
+    opened = tokenize(tokenizer, text + OPEN_END, offset)  # one encoding: the plain one only where this fails
     end = offset + len(text)
-    n = sum(1 for e in opened.ends if e <= end)
+    n = bisect.bisect_right(opened.ends, end)
     if n == 0 or opened.ends[n - 1] != end or (n < len(opened) and opened.starts[n] < end):
-        return plain
-    if opened.ids[:n] == plain.ids:
-        return plain
-    cut = opened.prefix(n)
-    return Tokenized(text, cut.ids, cut.starts, cut.ends, cut.valid)
+        return tokenize(tokenizer, text, offset)
+    return Tokenized(text, opened.ids[:n], opened.starts[:n], opened.ends[:n], opened.valid[:n])
 
 
 def is_common_boundary(offset: int, tokenizations: Iterable[Tokenized]) -> bool:

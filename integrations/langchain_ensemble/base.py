@@ -59,11 +59,10 @@ from ensemble_core.options import check_int, check_number
 from ensemble_core.serving.runtime import (
     Run,
     call_overrides,
-    check_picklable,
     collect_method_options,
     deepcopy_memo,
     merge_options,
-    rebuild,
+    reduce_by_constructor,
     result_info,
     shared_ensemble,
 )
@@ -226,8 +225,7 @@ class EnsembleFields(BaseModel):
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as the values it was built with and rebuilt by its constructor on load, where members
         given by name load once per process; loaded ones raise :class:`~ensemble_core.NotPicklableError`."""
-        check_picklable(type(self).__name__, self.members, self.ensemble)
-        return rebuild, (type(self), {name: getattr(self, name) for name in self.model_fields_set})
+        return reduce_by_constructor(self, self.members, self.ensemble)
 
     # ------------------------------------------------------------------ construction
     def _bind_ensemble(self) -> None:

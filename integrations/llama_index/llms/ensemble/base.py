@@ -58,11 +58,10 @@ from ensemble_core.serving.runtime import (
     Run,
     asettle,
     call_overrides,
-    check_picklable,
     collect_method_options,
     deepcopy_memo,
     merge_options,
-    rebuild,
+    reduce_by_constructor,
     settle,
     shared_ensemble,
 )
@@ -189,8 +188,7 @@ class EnsembleLLM(FunctionCallingLLM):
         """Pickled as the values it was built with and rebuilt by its constructor on load, where members
         given by name load once per process; loaded ones raise :class:`~ensemble_core.NotPicklableError`
         (LlamaIndex's own pickling dropped them with a warning, and the copy ran the default members)."""
-        check_picklable(type(self).__name__, self.members)
-        return rebuild, (type(self), {name: getattr(self, name) for name in self.model_fields_set})
+        return reduce_by_constructor(self, self.members)
 
     # ------------------------------------------------------------------ properties
     @property
